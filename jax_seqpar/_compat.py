@@ -1,0 +1,78 @@
+"""Version shims: every use of a JAX API that moved between releases goes through here."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+try:  # JAX >= 0.6
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map as _shard_map  # type: ignore
+
+try:
+    from jax.sharding import AxisType
+except ImportError:  # pragma: no cover
+    AxisType = None  # type: ignore
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+    """``jax.shard_map`` with ``check_vma`` (named ``check_rep`` before JAX 0.6)."""
+    try:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_vma=check_vma)
+    except TypeError:  # pragma: no cover - older JAX
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_rep=check_vma)
+
+
+def has_explicit_axes(mesh) -> bool:
+    """True for meshes whose axes are ``AxisType.Explicit`` (``jax.make_mesh``'s default)."""
+    types = getattr(mesh, "axis_types", None)
+    if AxisType is None or types is None:
+        return False
+    return any(t == AxisType.Explicit for t in types)
+
+
+def place(x, mesh, spec: PartitionSpec):
+    """Lay ``x`` out as ``spec`` on ``mesh`` before entering ``shard_map``.
+
+    On explicit-axis meshes ``shard_map`` demands that inputs already carry the spec,
+    so we ``reshard``; on auto-axis meshes ``shard_map`` reshards by itself.
+    """
+    if x is None or not has_explicit_axes(mesh):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _vma(x) -> frozenset:
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # pragma: no cover - not an array
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))  # JAX 0.6 - 0.9
+
+
+def vary_like(tree, *refs):
+    """Mark the arrays of ``tree`` as varying over every mesh axis any of ``refs`` varies over.
+
+    Inside ``shard_map(check_vma=True)`` a loop carry initialised with ``jnp.zeros`` is
+    device-invariant while the loop body makes it device-varying; kernels call this on
+    their initial carries so they work both inside and outside ``shard_map``.
+    """
+    axes = frozenset().union(*[_vma(r) for r in jax.tree.leaves(refs)])
+    if not axes:
+        return tree
+
+    def fix(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # pragma: no cover - older JAX
+
+    return jax.tree.map(fix, tree)

@@ -1,0 +1,129 @@
+"""Global-view entry points: natural-order arrays in, natural-order arrays out.
+
+``attention`` shards the sequence axis of ``q, k, v`` over the mesh axis ``axis_name``
+with ``jax.shard_map`` and runs a per-device algorithm from ``jax_seqpar.parallel``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from jax_seqpar import _compat
+from jax_seqpar.masks import WindowArg
+from jax_seqpar.parallel.allgather import allgather_attention_with_config
+from jax_seqpar.parallel.common import BACKWARDS, make_config
+from jax_seqpar.parallel.ring import ring_attention_with_config
+
+STRATEGIES = ("ring", "allgather")
+PLANNED_STRATEGIES = ("tree",)
+
+
+def _axis_tuple(axis_name) -> Tuple[str, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward):
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name in _axis_tuple(axis_name):
+        if name not in mesh.axis_names:
+            raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
+                             f"(mesh.axis_names={mesh.axis_names})")
+    if strategy in PLANNED_STRATEGIES:
+        raise NotImplementedError(f"strategy={strategy!r} is not implemented yet; "
+                                  f"use one of {STRATEGIES}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy={strategy!r}; choose one of {STRATEGIES}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"unknown backward={backward!r}; choose one of {BACKWARDS}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "
+                             f"got shape {getattr(x, 'shape', None)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, S, Hq, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, S, D):
+        raise ValueError(f"k/v shape {k.shape} must match q shape {q.shape} in batch, "
+                         f"sequence and head_dim (self-attention)")
+    Hkv = k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=} "
+                         f"(GQA/MQA)")
+    G = 1
+    for name in _axis_tuple(axis_name):
+        G *= mesh.shape[name]
+    if S % G:
+        raise ValueError(f"sequence length {S=} must be divisible by the number of devices "
+                         f"along axis_name={axis_name!r} ({G}); pad the sequence")
+    if segment_ids is not None:
+        if getattr(segment_ids, "shape", None) != (B, S):
+            raise ValueError(f"segment_ids must have shape [batch, seq] = {(B, S)}; "
+                             f"got {getattr(segment_ids, 'shape', None)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise TypeError(f"segment_ids.dtype={segment_ids.dtype} must be an integer dtype")
+
+
+def attention(
+    q: Float[Array, "B S Hq D"],
+    k: Float[Array, "B S Hkv D"],
+    v: Float[Array, "B S Hkv D"],
+    *,
+    mesh: Mesh,
+    axis_name: Union[str, Tuple[str, ...]] = "sp",
+    strategy: str = "ring",
+    causal: bool = False,
+    window: WindowArg = None,
+    segment_ids: Optional[Int[Array, "B S"]] = None,
+    layout: str = "contiguous",
+    permuted: bool = False,
+    backward: str = "auto",
+    kernel="auto",
+    scale: Optional[float] = None,
+) -> Float[Array, "B S Hq D"]:
+    """Exact softmax self-attention with the sequence sharded over ``mesh[axis_name]``.
+
+    Args:
+      q, k, v: ``[B, S, Hq, D]`` and ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``; one dtype.
+      mesh, axis_name: the sequence axis is split into ``mesh.shape[axis_name]`` shards.
+      strategy: ``"ring"`` (K/V circulate, O(S/G) memory) or ``"allgather"`` (baseline).
+      causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
+        ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
+      segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
+      layout, permuted: token layout (only ``"contiguous"`` so far).
+      backward: ``"auto"``, ``"kv"`` (Ring Attention).  ``"q"`` (Burst) is not there yet.
+      kernel: local tile backend (``"auto"``, ``"xla"``) or a kernel object.
+      scale: score scale, default ``1 / sqrt(D)``.
+
+    Returns: ``[B, S, Hq, D]`` in ``q.dtype``, natural token order.
+    """
+    _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward)
+    if not isinstance(permuted, bool):
+        raise TypeError(f"permuted={permuted!r} must be a bool")
+    if backward == "auto":
+        backward = "kv"  # the only scheme so far
+    cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
+                      segment_ids=segment_ids, scale=scale, layout=layout,
+                      backward=backward, kernel=kernel)
+    per_device = {"ring": ring_attention_with_config,
+                  "allgather": allgather_attention_with_config}[strategy]
+    seq = P(None, axis_name)
+    if segment_ids is None:
+        fn = _compat.shard_map(lambda q, k, v: per_device(cfg, q, k, v, None), mesh=mesh,
+                               in_specs=(seq, seq, seq), out_specs=seq)
+        args = (q, k, v)
+    else:
+        fn = _compat.shard_map(lambda q, k, v, s: per_device(cfg, q, k, v, s), mesh=mesh,
+                               in_specs=(seq, seq, seq, seq), out_specs=seq)
+        args = (q, k, v, segment_ids.astype(jnp.int32))
+    args = tuple(_compat.place(a, mesh, seq) for a in args)
+    return fn(*args)

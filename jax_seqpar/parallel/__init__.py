@@ -1,0 +1,7 @@
+"""Per-device algorithms; call them inside ``jax.shard_map`` with the sequence axis name."""
+
+from jax_seqpar.parallel.allgather import allgather_attention
+from jax_seqpar.parallel.merge import merge
+from jax_seqpar.parallel.ring import ring_attention
+
+__all__ = ["allgather_attention", "merge", "ring_attention"]

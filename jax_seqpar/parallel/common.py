@@ -1,0 +1,67 @@
+"""Configuration and small helpers shared by the per-device algorithms."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_seqpar.kernels.base import AttentionKernel, KernelRequest, default_platform, get_kernel
+from jax_seqpar.layouts import check_layout
+from jax_seqpar.masks import MaskSpec, WindowArg
+
+AxisName = Union[str, Tuple[str, ...]]
+BACKWARDS = ("kv", "q", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnConfig:
+    """Static configuration of one sequence-parallel attention call (hashable)."""
+
+    axis_name: AxisName
+    mask: MaskSpec
+    scale: float
+    kernel: AttentionKernel
+    layout: str = "contiguous"
+    backward: str = "kv"
+
+    def __post_init__(self):
+        check_layout(self.layout)
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"unknown backward={self.backward!r}; choose one of {BACKWARDS}")
+
+
+def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
+                segment_ids, scale: Optional[float], layout: str, backward: str,
+                kernel: Union[str, AttentionKernel]) -> AttnConfig:
+    """Validate per-call options and resolve ``kernel`` into a backend object."""
+    mask = MaskSpec(causal=causal, window=window)
+    D = q.shape[-1]
+    if scale is None:
+        scale = D ** -0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale={scale!r} must be a Python float (or None for 1/sqrt(D))")
+    if isinstance(kernel, str):
+        request = KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
+                                head_dim=D, mask=mask, has_segments=segment_ids is not None)
+        kernel = get_kernel(kernel, request)
+    return AttnConfig(axis_name=axis_name, mask=mask, scale=float(scale), kernel=kernel,
+                      layout=layout, backward=backward)
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Static number of devices along ``axis_name`` (inside shard_map)."""
+    return lax.axis_size(axis_name)
+
+
+def ring_shift(x, axis_name: AxisName, num: int):
+    """Send ``x`` (a pytree) from device ``i`` to device ``(i + 1) % num`` along the axis."""
+    perm = [(i, (i + 1) % num) for i in range(num)]
+    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
+
+
+def rows_bounds(pos):
+    return pos.min(), pos.max()
