@@ -57,9 +57,10 @@ def axis_size(axis_name: AxisName) -> int:
     return lax.axis_size(axis_name)
 
 
-def ring_shift(x, axis_name: AxisName, num: int):
-    """Send ``x`` (a pytree) from device ``i`` to device ``(i + 1) % num`` along the axis."""
-    perm = [(i, (i + 1) % num) for i in range(num)]
+def ring_shift(x, axis_name: AxisName, num: int, reverse: bool = False):
+    """Send ``x`` (a pytree) from device ``i`` to ``(i + 1) % num`` (``i - 1`` if ``reverse``)."""
+    step = -1 if reverse else 1
+    perm = [(i, (i + step) % num) for i in range(num)]
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
 
 

@@ -11,7 +11,7 @@ Backward (``custom_vjp``):
 
 * ``backward="kv"`` (Ring Attention): K, V travel as in the forward, together with
   float32 accumulators dK, dV that collect every device's contribution and take one last
-  hop home.  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
+  hop home.  This ring turns the opposite way to the forward's (see ``_backward_kv``).  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
 * ``backward="q"`` (BurstAttention Alg. 2): not implemented yet.
 """
 
@@ -127,7 +127,14 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
-    """Ring Attention backward: K, V, dK, dV circulate; Q, dO, lse, delta stay home."""
+    """Ring Attention backward: K, V, dK, dV circulate; Q, dO, lse, delta stay home.
+
+    The backward ring turns the other way (device i sends to i - 1).  Were it to turn the
+    same way as the forward, XLA would CSE its K/V transfers with the forward's and keep
+    all G rotated blocks alive between the two passes: O(S) memory per device instead of
+    O(S / G).  An ``optimization_barrier`` does not survive XLA's passes on CPU, so the
+    direction is what keeps the two rings distinct.
+    """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
@@ -137,9 +144,9 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     block = (k, v, seg)
     acc = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q, k, v, do)
     for step in range(G):
-        nxt = ring_shift(block, cfg.axis_name, G) if step < G - 1 else None
+        nxt = ring_shift(block, cfg.axis_name, G, reverse=True) if step < G - 1 else None
         kc, vc, sc = block
-        kv_pos = _positions(cfg, (idx - step) % G, T, G)
+        kv_pos = _positions(cfg, (idx + step) % G, T, G)
 
         def compute(dq, dkc, dvc, kc=kc, vc=vc, sc=sc, kv_pos=kv_pos):
             dq_s, dk_s, dv_s = cfg.kernel.bwd(q, kc, vc, o, lse, do, q_pos, kv_pos, cfg.mask,
@@ -149,6 +156,6 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
         dq, dkc, dvc = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute,
                              lambda *a: a, dq, *acc)
         # The accumulators move every step; after the last one they are back home.
-        acc = ring_shift((dkc, dvc), cfg.axis_name, G) if G > 1 else (dkc, dvc)
+        acc = ring_shift((dkc, dvc), cfg.axis_name, G, reverse=True) if G > 1 else (dkc, dvc)
         block = nxt
     return dq, acc[0], acc[1]

@@ -1,0 +1,4 @@
+from jax_seqpar.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
