@@ -100,7 +100,9 @@ def attention(
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
       layout, permuted: token layout (only ``"contiguous"`` so far).
-      backward: ``"auto"``, ``"kv"`` (Ring Attention).  ``"q"`` (Burst) is not there yet.
+      backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
+        ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
+        see ``jax_seqpar.parallel.costs``).  Ignored by ``strategy="allgather"``.
       kernel: local tile backend (``"auto"``, ``"xla"``) or a kernel object.
       scale: score scale, default ``1 / sqrt(D)``.
 
@@ -109,8 +111,6 @@ def attention(
     _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
-    if backward == "auto":
-        backward = "kv"  # the only scheme so far
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
                       backward=backward, kernel=kernel)
@@ -125,5 +125,14 @@ def attention(
         fn = _compat.shard_map(lambda q, k, v, s: per_device(cfg, q, k, v, s), mesh=mesh,
                                in_specs=(seq, seq, seq, seq), out_specs=seq)
         args = (q, k, v, segment_ids.astype(jnp.int32))
-    args = tuple(_compat.place(a, mesh, seq) for a in args)
-    return fn(*args)
+    return _run(fn, mesh, seq, args)
+
+
+def _run(fn, mesh, spec, args):
+    # Under jit, explicit-axis meshes get their reshards (and their transposes in the
+    # backward) placed by the compiler; eagerly, a cotangent would reach the transposed
+    # shard_map unsharded.
+    def placed(*args):
+        return fn(*(_compat.place(a, mesh, spec) for a in args))
+
+    return jax.jit(placed)(*args)

@@ -12,11 +12,15 @@ Backward (``custom_vjp``):
 * ``backward="kv"`` (Ring Attention): K, V travel as in the forward, together with
   float32 accumulators dK, dV that collect every device's contribution and take one last
   hop home.  This ring turns the opposite way to the forward's (see ``_backward_kv``).  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
-* ``backward="q"`` (BurstAttention Alg. 2): not implemented yet.
+* ``backward="q"`` (BurstAttention Alg. 2): each device keeps K, V, dK, dV; the ring
+  carries Q, dO, D = rowsum(dO * O), lse and a float32 dQ accumulator, which takes one
+  last hop home.  ``G - 1`` transfers of Q, dO, D, lse and ``G`` of dQ.
+* ``backward="auto"``: the scheme that sends fewer bytes (``costs.choose_backward``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -30,6 +34,7 @@ from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
 from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_shift
+from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.merge import merge
 
 F32 = jnp.float32
@@ -61,10 +66,18 @@ def ring_attention(
 
 
 def ring_attention_with_config(cfg: AttnConfig, q, k, v, segment_ids=None):
-    if cfg.backward == "q":
-        raise NotImplementedError("backward='q' (BurstAttention) is not implemented yet; "
-                                  "use backward='kv'")
+    if cfg.backward == "auto":
+        choice = choose_backward(ring_shape(q, k, segment_ids, axis_size(cfg.axis_name)))
+        cfg = dataclasses.replace(cfg, backward=choice.scheme)
     return _ring(cfg, q, k, v, segment_ids)
+
+
+def ring_shape(q, k, segment_ids, num_devices: int) -> RingShape:
+    """The per-device shapes that fix ring traffic (for ``costs``)."""
+    B, T, Hq, D = q.shape
+    return RingShape(num_devices=num_devices, batch=B, tokens=T, q_heads=Hq,
+                     kv_heads=k.shape[2], head_dim=D, itemsize=jnp.dtype(q.dtype).itemsize,
+                     has_segments=segment_ids is not None)
 
 
 def _positions(cfg: AttnConfig, shard, T: int, G: int):
@@ -119,7 +132,8 @@ def _ring_fwd(cfg, q, k, v, seg):
 
 def _ring_bwd(cfg, res, do):
     q, k, v, seg, o, lse = res
-    dq, dk, dv = _backward_kv(cfg, q, k, v, seg, o, lse, do)
+    bwd = {"kv": _backward_kv, "q": _backward_q}[cfg.backward]
+    dq, dk, dv = bwd(cfg, q, k, v, seg, o, lse, do)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -159,3 +173,35 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
         acc = ring_shift((dkc, dvc), cfg.axis_name, G, reverse=True) if G > 1 else (dkc, dvc)
         block = nxt
     return dq, acc[0], acc[1]
+
+
+def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
+    """BurstAttention backward (Alg. 2): Q, dO, D, lse and dQ circulate; K, V stay home.
+
+    Line 2: ``D = rowsum(dO * O)`` once.  Lines 4-16: at step ``s`` device ``i`` holds the
+    query block of device ``(i - s) mod G`` with its running dQ, adds its K/V block's
+    contribution to dQ (line 14) and to its own dK, dV (lines 10, 13), and passes the
+    block on.  After the last step the dQ accumulators take one more hop to their owners.
+    """
+    B, T, Hq, D = q.shape
+    G = axis_size(cfg.axis_name)
+    idx = lax.axis_index(cfg.axis_name)
+    kv_pos = _positions(cfg, idx, T, G)
+    delta = attention_delta(o, do)
+    dk, dv = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q, k, v, do)
+    dqc = vary_like(jnp.zeros(q.shape, F32), q, k, v, do)
+    block = (q, do, delta, lse, seg)
+    for step in range(G):
+        nxt = ring_shift(block, cfg.axis_name, G) if step < G - 1 else None
+        qc, doc, dc, lc, sc = block
+        q_pos = _positions(cfg, (idx - step) % G, T, G)
+
+        def compute(dqc, dk, dv, qc=qc, doc=doc, dc=dc, lc=lc, sc=sc, q_pos=q_pos):
+            dq_s, dk_s, dv_s = cfg.kernel.bwd(qc, k, v, None, lc, doc, q_pos, kv_pos, cfg.mask,
+                                              cfg.scale, sc, seg, delta=dc)
+            return dqc + dq_s, dk + dk_s, dv + dv_s
+
+        dqc, dk, dv = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda *a: a, dqc, dk, dv)
+        dqc = ring_shift(dqc, cfg.axis_name, G) if G > 1 else dqc
+        block = nxt
+    return dqc, dk, dv

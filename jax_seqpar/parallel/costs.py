@@ -1,0 +1,104 @@
+"""Communication volume of the ring schemes, and the automatic backward choice.
+
+Every formula counts the bytes **one device sends** in one call, hop by hop, exactly as
+``parallel/ring.py`` moves them; ``tests/test_burst.py`` checks them to the byte against
+the compiled program (``jax_seqpar.comm``).  Notation: ``G`` devices on the ring,
+``T = S / G`` tokens per device, batch ``B``, head dim ``D``, ``Hq`` query heads,
+``Hkv`` key/value heads, ``e`` bytes per input element, accumulators in float32 (4 B).
+
+* forward: ``(G - 1)`` hops of K and V: ``(G-1) * 2*B*T*Hkv*D*e``.
+* ``backward="kv"`` (Ring Attention): K, V make ``G - 1`` hops; the float32 accumulators
+  dK, dV make ``G`` (the last one brings them home):
+  ``(G-1) * 2*B*T*Hkv*D*e + G * 2*B*T*Hkv*D*4``.
+* ``backward="q"`` (BurstAttention Alg. 2, lines 3-16): Q and dO make ``G - 1`` hops,
+  with the float32 row statistics D = rowsum(dO * O) and lse; the float32 accumulator dQ
+  makes ``G``: ``(G-1) * (2*B*T*Hq*D*e + 2*B*Hq*T*4) + G * B*T*Hq*D*4``.
+* segment ids (int32, ``B*T*4``) travel with K, V (forward, "kv") or with Q ("q").
+
+Per token and head, that is ``4*D`` elements for "kv" against ``3*D + 2`` for "q"
+(BurstAttention §3.3, Table 1): the Burst scheme moves ~25% less for MHA.  With GQA the
+K/V side shrinks by ``g = Hq / Hkv`` and "kv" wins for ``g >= 2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+ACC_BYTES = 4  # float32 gradient accumulators and row statistics
+
+
+@dataclasses.dataclass(frozen=True)
+class RingShape:
+    """Per-device shapes that fix the traffic of a ring call."""
+
+    num_devices: int
+    batch: int
+    tokens: int          # per device (T = S / G)
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int        # bytes per element of q/k/v/dO
+    has_segments: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if f.name != "has_segments" and (not isinstance(val, int) or val < 1):
+                raise ValueError(f"{f.name}={val!r} must be a positive int")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads={self.q_heads} must be a multiple of "
+                             f"kv_heads={self.kv_heads}")
+
+
+def _seg(s: RingShape) -> int:
+    return s.batch * s.tokens * 4 if s.has_segments else 0
+
+
+def forward_bytes(s: RingShape) -> int:
+    """Bytes one device sends in the ring forward."""
+    kv = 2 * s.batch * s.tokens * s.kv_heads * s.head_dim * s.itemsize
+    return (s.num_devices - 1) * (kv + _seg(s))
+
+
+def backward_bytes(scheme: str, s: RingShape) -> int:
+    """Bytes one device sends in the ring backward with ``scheme`` in {"kv", "q"}."""
+    G, B, T, D = s.num_devices, s.batch, s.tokens, s.head_dim
+    if G == 1:
+        return 0
+    if scheme == "kv":
+        travel = 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s)
+        acc = 2 * B * T * s.kv_heads * D * ACC_BYTES
+    elif scheme == "q":
+        travel = 2 * B * T * s.q_heads * D * s.itemsize + 2 * B * s.q_heads * T * ACC_BYTES + _seg(s)
+        acc = B * T * s.q_heads * D * ACC_BYTES
+    else:
+        raise ValueError(f"unknown backward scheme {scheme!r}; choose 'kv' or 'q'")
+    return (G - 1) * travel + G * acc
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardChoice:
+    scheme: str
+    reason: str
+    kv_bytes: int
+    q_bytes: int
+
+
+def choose_backward(s: RingShape, *, link_bytes_per_s: Optional[float] = None) -> BackwardChoice:
+    """Pick the backward scheme that sends fewer bytes per device (ties go to "kv").
+
+    Both schemes run the same FLOPs over the same links, so a link bandwidth scales
+    their transfer times alike: when given, it only adds the estimated time per scheme
+    to ``reason`` and does not change the choice.
+    """
+    kv, q = backward_bytes("kv", s), backward_bytes("q", s)
+    scheme = "q" if q < kv else "kv"
+    g = s.q_heads // s.kv_heads
+    reason = (f"backward={scheme!r}: sends {min(kv, q):,} B per device vs "
+              f"{max(kv, q):,} B for {'kv' if scheme == 'q' else 'q'!r} "
+              f"(G={s.num_devices}, GQA group g={g}, D={s.head_dim}, itemsize={s.itemsize})")
+    if link_bytes_per_s:
+        reason += (f"; at {link_bytes_per_s / 1e9:.0f} GB/s: kv {kv / link_bytes_per_s * 1e3:.3f} ms,"
+                   f" q {q / link_bytes_per_s * 1e3:.3f} ms")
+    return BackwardChoice(scheme, reason, kv, q)
