@@ -1,0 +1,63 @@
+"""Shared helpers for the benchmark scripts: timing, environment capture, output files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+
+
+def env_info() -> dict:
+    devs = jax.devices()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": devs[0].device_kind,
+        "device_count": len(devs),
+    }
+
+
+def time_fn(fn, *args, warmup: int = 2, repeats: int = 5) -> dict:
+    """Median/min wall time of ``fn(*args)`` in seconds, synchronising on the result."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats}
+
+
+def peak_memory_bytes(device=None):
+    """Peak bytes in use on ``device`` so far (None where the backend does not say)."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:
+        return None
+    return stats.get("peak_bytes_in_use")
+
+
+def progress(iterable, **kw):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU image may not have it
+        return iterable
+    return tqdm(iterable, **kw)
+
+
+def out_dir(default: str = "benchmarks/out") -> str:
+    d = os.environ.get("OUT") or default
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def save_json(obj, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)

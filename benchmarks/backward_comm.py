@@ -1,0 +1,165 @@
+"""Ring backward: KV scheme vs BurstAttention's Q scheme vs "auto".
+
+For each (devices, heads, kv heads, sequence length) it prints the bytes each device
+sends in the backward (read from the compiled program, next to the formula of
+``jax_seqpar.parallel.costs``), the backward's wall time, and the gradient agreement of
+the schemes (each against the KV scheme; on small sizes also against the dense
+reference).  Saves JSON and, with matplotlib, a PNG.
+
+    python benchmarks/backward_comm.py                # small, CPU (8 simulated devices)
+    python benchmarks/backward_comm.py --preset gpu   # H200s: 2 and 4 devices, up to 128k
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_seqpar as jsp  # noqa: E402
+from jax_seqpar.comm import collective_bytes  # noqa: E402
+from jax_seqpar.kernels import XlaKernel  # noqa: E402
+from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
+from jax_seqpar.parallel.ring import ring_shape  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import env_info, out_dir, progress, save_json, time_fn  # noqa: E402
+
+PRESETS = {
+    "cpu": dict(devices=[2, 4, 8], heads=[(8, 8), (8, 2)], seq=[512, 2048], head_dim=64,
+                dtype="float32", block=512, check_ref_max=4096, repeats=3),
+    "gpu": dict(devices=[2, 4], heads=[(16, 16), (16, 4)], seq=[32768, 131072], head_dim=128,
+                dtype="bfloat16", block=2048, check_ref_max=8192, repeats=3),
+}
+
+
+def rel(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def run(cfg, causal: bool):
+    dtype = jnp.dtype(cfg["dtype"])
+    kernel = XlaKernel(block_q=cfg["block"], block_k=cfg["block"])
+    grid = [(G, hq, hkv, S) for G in cfg["devices"] if G <= jax.device_count()
+            for hq, hkv in cfg["heads"] for S in cfg["seq"]]
+    rows = []
+    for G, Hq, Hkv, S in progress(grid, desc="configs"):
+        mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
+        ks = jax.random.split(jax.random.PRNGKey(S + G + Hkv), 4)
+        D, B = cfg["head_dim"], 1
+        q = jax.random.normal(ks[0], (B, S, Hq, D), dtype)
+        k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
+        v = jax.random.normal(ks[2], (B, S, Hkv, D), dtype)
+        do = jax.random.normal(ks[3], (B, S, Hq, D), dtype)
+        shape = ring_shape(q[:, : S // G], k[:, : S // G], None, G)
+        grads = {}
+        for scheme in ("kv", "q", "auto"):
+            def fwd(q, k, v, scheme=scheme):
+                return jsp.attention(q, k, v, mesh=mesh, causal=causal, backward=scheme,
+                                     kernel=kernel)
+
+            _, vjp = jax.jit(lambda q, k, v: jax.vjp(fwd, q, k, v))(q, k, v)
+            bwd = jax.jit(lambda vjp, do: vjp(do))
+            comm = collective_bytes(bwd, vjp, do)
+            t = time_fn(bwd, vjp, do, repeats=cfg["repeats"])
+            grads[scheme] = bwd(vjp, do)
+            resolved = scheme if scheme != "auto" else (
+                "kv" if comm.total_bytes == backward_bytes("kv", shape) else "q")
+            rows.append(dict(devices=G, q_heads=Hq, kv_heads=Hkv, seq=S, head_dim=D,
+                             dtype=dtype.name, causal=causal, scheme=scheme, resolved=resolved,
+                             bytes_per_device=comm.total_bytes,
+                             formula_bytes=backward_bytes(resolved, shape),
+                             time_s=t["median_s"], min_s=t["min_s"]))
+        for scheme in ("q", "auto"):
+            rows[-3 if scheme == "q" else -1]["grad_rel_vs_kv"] = max(
+                rel(a, b) for a, b in zip(grads[scheme], grads["kv"]))
+        if S <= cfg["check_ref_max"]:
+            up = lambda x: x.astype(jnp.float32)  # noqa: E731
+            _, rvjp = jax.vjp(lambda q, k, v: jsp.reference_attention(q, k, v, causal=causal)[0],
+                              up(q), up(k), up(v))
+            ref = rvjp(up(do))
+            for i, scheme in enumerate(("kv", "q", "auto")):
+                rows[-3 + i]["grad_rel_vs_ref"] = max(rel(a, b) for a, b in zip(grads[scheme], ref))
+        del grads
+    return rows
+
+
+def print_table(rows):
+    hdr = (f"{'G':>2} {'Hq':>3} {'Hkv':>3} {'S':>7} {'causal':>6} {'scheme':>6} {'->':>3} "
+           f"{'MB sent':>9} {'formula':>9} {'bwd ms':>8} {'vs kv':>6} {'err ref':>8}")
+    print(hdr)
+    base = {}
+    for r in rows:
+        key = (r["devices"], r["q_heads"], r["kv_heads"], r["seq"], r["causal"])
+        if r["scheme"] == "kv":
+            base[key] = r["time_s"]
+        err = r.get("grad_rel_vs_ref")
+        print(f"{r['devices']:>2} {r['q_heads']:>3} {r['kv_heads']:>3} {r['seq']:>7} "
+              f"{str(r['causal']):>6} {r['scheme']:>6} {r['resolved']:>3} "
+              f"{r['bytes_per_device'] / 1e6:>9.2f} {r['formula_bytes'] / 1e6:>9.2f} "
+              f"{r['time_s'] * 1e3:>8.2f} {r['time_s'] / base[key]:>6.2f} "
+              f"{'' if err is None else f'{err:.1e}':>8}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for scheme, marker in (("kv", "o"), ("q", "s")):
+        sel = [r for r in rows if r["scheme"] == scheme]
+        labels = [f"G{r['devices']} {r['q_heads']}/{r['kv_heads']} {r['seq'] // 1024}k"
+                  f"{' c' if r['causal'] else ''}" for r in sel]
+        axes[0].plot(labels, [r["bytes_per_device"] / 1e6 for r in sel], marker, label=scheme)
+        axes[1].plot(labels, [r["time_s"] * 1e3 for r in sel], marker, label=scheme)
+    axes[0].set_ylabel("MB sent per device (backward)")
+    axes[1].set_ylabel("backward time (ms)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="default: gpu on GPUs, cpu otherwise")
+    p.add_argument("--causal", choices=("no", "yes", "both"), default="no")
+    args = p.parse_args()
+    preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    cfg = PRESETS[preset]
+    info = env_info()
+    print(f"# {info}")
+    print(f"# preset {preset}: {cfg}")
+    rows = []
+    for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+        rows += run(cfg, causal)
+    print_table(rows)
+    d = out_dir()
+    save_json({"env": info, "preset": preset, "config": cfg, "rows": rows},
+              os.path.join(d, f"backward_comm_{preset}.json"))
+    plot(rows, os.path.join(d, f"backward_comm_{preset}.png"))
+    bad = [r for r in rows if r["bytes_per_device"] != r["formula_bytes"]
+           or r.get("grad_rel_vs_kv", 0) > (2e-2 if r["dtype"] == "bfloat16" else 1e-5)
+           or r.get("grad_rel_vs_ref", 0) > (2e-2 if r["dtype"] == "bfloat16" else 1e-5)]
+    print("CHECKS:", "PASS" if not bad else f"FAIL ({len(bad)} rows)")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
