@@ -7,12 +7,18 @@ the compiled program (``jax_seqpar.comm``).  Notation: ``G`` devices on the ring
 ``Hkv`` key/value heads, ``e`` bytes per input element, accumulators in float32 (4 B).
 
 * forward: ``(G - 1)`` hops of K and V: ``(G-1) * 2*B*T*Hkv*D*e``.
-* ``backward="kv"`` (Ring Attention): K, V make ``G - 1`` hops; the float32 accumulators
-  dK, dV make ``G`` (the last one brings them home):
-  ``(G-1) * 2*B*T*Hkv*D*e + G * 2*B*T*Hkv*D*4``.
+* ``backward="kv"`` (Ring Attention): K, V make ``G - 1`` hops; the accumulators dK, dV
+  make ``G - 1`` hops in float32 and, complete, one last hop home cast to the input dtype:
+  ``(G-1) * 2*B*T*Hkv*D*(e + 4) + 2*B*T*Hkv*D*e``.
 * ``backward="q"`` (BurstAttention Alg. 2, lines 3-16): Q and dO make ``G - 1`` hops,
-  with the float32 row statistics D = rowsum(dO * O) and lse; the float32 accumulator dQ
-  makes ``G``: ``(G-1) * (2*B*T*Hq*D*e + 2*B*Hq*T*4) + G * B*T*Hq*D*4``.
+  with the float32 row statistics D = rowsum(dO * O) and lse; the accumulator dQ makes
+  ``G - 1`` hops in float32 and one home in the input dtype:
+  ``(G-1) * (2*B*T*Hq*D*e + 2*B*Hq*T*4 + B*T*Hq*D*4) + B*T*Hq*D*e``.
+
+(Casting before the last hop is what XLA's GPU compiler does by itself when the gradient
+is cast right after it; doing it explicitly makes the volume the same on every backend.
+The CPU backend sends bfloat16 collectives as float32, so byte-exact comparisons on CPU
+use float32 inputs.)
 * segment ids (int32, ``B*T*4``) travel with K, V (forward, "kv") or with Q ("q").
 
 Per token and head, that is ``4*D`` elements for "kv" against ``3*D + 2`` for "q"
@@ -68,13 +74,13 @@ def backward_bytes(scheme: str, s: RingShape) -> int:
         return 0
     if scheme == "kv":
         travel = 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s)
-        acc = 2 * B * T * s.kv_heads * D * ACC_BYTES
+        acc_elems = 2 * B * T * s.kv_heads * D
     elif scheme == "q":
         travel = 2 * B * T * s.q_heads * D * s.itemsize + 2 * B * s.q_heads * T * ACC_BYTES + _seg(s)
-        acc = B * T * s.q_heads * D * ACC_BYTES
+        acc_elems = B * T * s.q_heads * D
     else:
         raise ValueError(f"unknown backward scheme {scheme!r}; choose 'kv' or 'q'")
-    return (G - 1) * travel + G * acc
+    return (G - 1) * (travel + acc_elems * ACC_BYTES) + acc_elems * s.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

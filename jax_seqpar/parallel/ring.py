@@ -11,10 +11,10 @@ Backward (``custom_vjp``):
 
 * ``backward="kv"`` (Ring Attention): K, V travel as in the forward, together with
   float32 accumulators dK, dV that collect every device's contribution and take one last
-  hop home.  This ring turns the opposite way to the forward's (see ``_backward_kv``).  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
+  hop home, cast to the gradient dtype first.  This ring turns the opposite way to the forward's (see ``_backward_kv``).  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
 * ``backward="q"`` (BurstAttention Alg. 2): each device keeps K, V, dK, dV; the ring
   carries Q, dO, D = rowsum(dO * O), lse and a float32 dQ accumulator, which takes one
-  last hop home.  ``G - 1`` transfers of Q, dO, D, lse and ``G`` of dQ.
+  last hop home in the gradient dtype.  ``G - 1`` transfers of Q, dO, D, lse and ``G`` of dQ.
 * ``backward="auto"``: the scheme that sends fewer bytes (``costs.choose_backward``).
 """
 
@@ -169,6 +169,8 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
 
         dq, dkc, dvc = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute,
                              lambda *a: a, dq, *acc)
+        if step == G - 1:  # complete: the hop home carries them in the gradient dtype
+            dkc, dvc = dkc.astype(k.dtype), dvc.astype(v.dtype)
         # The accumulators move every step; after the last one they are back home.
         acc = ring_shift((dkc, dvc), cfg.axis_name, G, reverse=True) if G > 1 else (dkc, dvc)
         block = nxt
@@ -202,6 +204,8 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
             return dqc + dq_s, dk + dk_s, dv + dv_s
 
         dqc, dk, dv = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda *a: a, dqc, dk, dv)
+        if step == G - 1:  # complete: the hop home carries it in the gradient dtype
+            dqc = dqc.astype(q.dtype)
         dqc = ring_shift(dqc, cfg.axis_name, G) if G > 1 else dqc
         block = nxt
     return dqc, dk, dv
