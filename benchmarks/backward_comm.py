@@ -60,7 +60,7 @@ def run(cfg, causal: bool):
         k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
         v = jax.random.normal(ks[2], (B, S, Hkv, D), dtype)
         do = jax.random.normal(ks[3], (B, S, Hq, D), dtype)
-        shape = ring_shape(q[:, : S // G], k[:, : S // G], None, G)
+        shape = ring_shape(jsp.api.make_config(q, k, axis_name='sp', causal=causal, window=None, segment_ids=None, scale=None, layout='contiguous', backward='kv', kernel='xla'), q[:, : S // G], k[:, : S // G], None, G)
         grads = {}
         for scheme in ("kv", "q", "auto"):
             def fwd(q, k, v, scheme=scheme):

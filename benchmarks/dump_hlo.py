@@ -39,7 +39,7 @@ for G in (2, 4):
         with open(path, "w") as fh:
             fh.write(text)
         rep = analyze_hlo(text, G)
-        want = backward_bytes(scheme, ring_shape(q[:, : S // G], k[:, : S // G], None, G))
+        want = backward_bytes(scheme, ring_shape(jsp.api.make_config(q, k, axis_name='sp', causal=False, window=None, segment_ids=None, scale=None, layout='contiguous', backward='kv', kernel='xla'), q[:, : S // G], k[:, : S // G], None, G))
         print(G, scheme, rep.total_bytes, want, rep.count_by_kind(), rep.warnings)
         for op in rep.ops:
             print("   ", op)

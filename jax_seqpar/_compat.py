@@ -76,3 +76,14 @@ def vary_like(tree, *refs):
         return jax.lax.pvary(x, missing)  # pragma: no cover - older JAX
 
     return jax.tree.map(fix, tree)
+
+
+def take_seq(x, idx, mesh, spec: PartitionSpec):
+    """``x[:, idx]`` (a token permutation) laid out as ``spec``.
+
+    On explicit-axis meshes a gather along a sharded axis needs its output sharding
+    spelled out; on auto-axis meshes the compiler chooses.
+    """
+    if has_explicit_axes(mesh):
+        return x.at[:, idx].get(out_sharding=NamedSharding(mesh, spec))
+    return jax.numpy.take(x, idx, axis=1)

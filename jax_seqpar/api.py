@@ -6,14 +6,17 @@ with ``jax.shard_map`` and runs a per-device algorithm from ``jax_seqpar.paralle
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar import _compat
+from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
 from jax_seqpar.parallel.common import BACKWARDS, make_config
@@ -27,7 +30,14 @@ def _axis_tuple(axis_name) -> Tuple[str, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward):
+def _num_shards(mesh, axis_name) -> int:
+    G = 1
+    for name in _axis_tuple(axis_name):
+        G *= mesh.shape[name]
+    return G
+
+
+def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for name in _axis_tuple(axis_name):
@@ -59,12 +69,7 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward):
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=} "
                          f"(GQA/MQA)")
-    G = 1
-    for name in _axis_tuple(axis_name):
-        G *= mesh.shape[name]
-    if S % G:
-        raise ValueError(f"sequence length {S=} must be divisible by the number of devices "
-                         f"along axis_name={axis_name!r} ({G}); pad the sequence")
+    check_divisible(layout, S, _num_shards(mesh, axis_name))
     if segment_ids is not None:
         if getattr(segment_ids, "shape", None) != (B, S):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(B, S)}; "
@@ -99,7 +104,12 @@ def attention(
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
-      layout, permuted: token layout (only ``"contiguous"`` so far).
+      layout: how tokens are dealt to devices: ``"contiguous"``, ``"zigzag"`` or
+        ``"striped"`` (the last two balance causal work; see ``jax_seqpar.layouts``).
+      permuted: False (default): arrays are in natural token order, permuted into the
+        layout on the way in and back on the way out.  True: they already are in layout
+        order (``layouts.permute_sequence``) and the output stays so -- the efficient path
+        for a model that permutes its tokens once, at the input.
       backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
         ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
         see ``jax_seqpar.parallel.costs``).  Ignored by ``strategy="allgather"``.
@@ -108,7 +118,7 @@ def attention(
 
     Returns: ``[B, S, Hq, D]`` in ``q.dtype``, natural token order.
     """
-    _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward)
+    _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
@@ -125,14 +135,41 @@ def attention(
         fn = _compat.shard_map(lambda q, k, v, s: per_device(cfg, q, k, v, s), mesh=mesh,
                                in_specs=(seq, seq, seq, seq), out_specs=seq)
         args = (q, k, v, segment_ids.astype(jnp.int32))
-    return _run(fn, mesh, seq, args)
+    G = _num_shards(mesh, axis_name)
 
+    def run(*args):
+        if not permuted:  # natural order in and out; the ring works in layout order
+            args = tuple(_reorder(a, layout, G, mesh, seq, False) for a in args)
+        args = tuple(_compat.place(a, mesh, seq) for a in args)
+        out = fn(*args)
+        return out if permuted else _reorder(out, layout, G, mesh, seq, True)
 
-def _run(fn, mesh, spec, args):
     # Under jit, explicit-axis meshes get their reshards (and their transposes in the
     # backward) placed by the compiler; eagerly, a cotangent would reach the transposed
     # shard_map unsharded.
-    def placed(*args):
-        return fn(*(_compat.place(a, mesh, spec) for a in args))
+    return jax.jit(run)(*args)
 
-    return jax.jit(placed)(*args)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _reorder(x, layout, G, mesh, spec, inverse):
+    """Permute tokens into (``inverse=False``) or out of ``layout`` order.
+
+    A permutation's transpose is the inverse permutation, so the backward is another
+    gather; JAX's generic rule (a scatter-add) fails on explicit-axis meshes.
+    """
+    if layout == "contiguous":
+        return x
+    perm = permutation(layout, x.shape[1], G)
+    idx = jnp.asarray(np.argsort(perm) if inverse else perm)
+    return _compat.take_seq(x, idx, mesh, spec)
+
+
+def _reorder_fwd(x, layout, G, mesh, spec, inverse):
+    return _reorder(x, layout, G, mesh, spec, inverse), None
+
+
+def _reorder_bwd(layout, G, mesh, spec, inverse, _, ct):
+    return (_reorder(ct, layout, G, mesh, spec, not inverse),)
+
+
+_reorder.defvjp(_reorder_fwd, _reorder_bwd)

@@ -96,7 +96,7 @@ class MaskSpec:
         ``[q_lo, q_hi]`` and ``[kv_lo, kv_hi]`` bound the positions in the tile (scalars,
         possibly traced).  Segment ids are not used here: skipping is conservative.
         """
-        ok = jnp.asarray(True)
+        ok = True  # works for Python/NumPy bounds (static schedules) and traced ones
         if self.right_limit is not None:  # need some k - q <= right: kv_lo - q_hi <= right
             ok = ok & (kv_lo - q_hi <= self.right_limit)
         if self.left_limit is not None:  # need some q - k <= left: q_lo - kv_hi <= left

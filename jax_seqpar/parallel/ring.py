@@ -1,21 +1,25 @@
 """Ring attention, per device (call inside ``shard_map``).
 
 Forward (Ring Attention; BurstAttention Alg. 1): each device keeps its query block and
-passes its key/value block around the ring with ``ppermute``; at step ``s`` device ``i``
-holds the block of device ``(i - s) mod G``, computes the local tile with the kernel while
-the block travels on, and merges ``(o, lse)`` online (``merge.py``).  ``G - 1`` transfers
-of K and V per device; a step whose position bounds prove it fully masked skips its
-compute (the transfer still happens, since the block must keep moving).
+passes its key/value block along the ring with ``ppermute``; after ``h`` hops device ``i``
+holds the block of device ``(i - h) mod G``, computes the tile with the local kernel while
+the block travels on, and merges ``(o, lse)`` online (``merge.py``).  The static
+``schedule.ring_schedule`` decides how far the blocks travel: the whole ring (``G - 1``
+hops) for dense and causal masks, only as far as a sliding window reaches otherwise (a
+chain of hops to the left neighbours and one to the right).  Tiles whose position bounds
+prove them fully masked skip their compute; their transfers still happen.
 
-Backward (``custom_vjp``):
+Backward (``custom_vjp``), along the same chains:
 
-* ``backward="kv"`` (Ring Attention): K, V travel as in the forward, together with
-  float32 accumulators dK, dV that collect every device's contribution and take one last
-  hop home, cast to the gradient dtype first.  This ring turns the opposite way to the forward's (see ``_backward_kv``).  Per device: ``(G - 1)`` transfers of K, V and ``G`` of dK, dV.
-* ``backward="q"`` (BurstAttention Alg. 2): each device keeps K, V, dK, dV; the ring
-  carries Q, dO, D = rowsum(dO * O), lse and a float32 dQ accumulator, which takes one
-  last hop home in the gradient dtype.  ``G - 1`` transfers of Q, dO, D, lse and ``G`` of dQ.
+* ``backward="kv"`` (Ring Attention): K, V travel as in the forward; each chain carries a
+  float32 accumulator of dK, dV that is created at the first device it visits, collects
+  every device's contribution and takes one direct hop home, cast to the gradient dtype.
+* ``backward="q"`` (BurstAttention Alg. 2): each device keeps K, V, dK, dV; the chains
+  carry Q, dO, D = rowsum(dO * O), lse and a float32 dQ accumulator, which goes home
+  the same way.
 * ``backward="auto"``: the scheme that sends fewer bytes (``costs.choose_backward``).
+
+``costs.py`` counts these hops; the tests check the counts against the compiled program.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
 from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_shift
 from jax_seqpar.parallel.costs import RingShape, choose_backward
+from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
 
 F32 = jnp.float32
@@ -67,17 +72,23 @@ def ring_attention(
 
 def ring_attention_with_config(cfg: AttnConfig, q, k, v, segment_ids=None):
     if cfg.backward == "auto":
-        choice = choose_backward(ring_shape(q, k, segment_ids, axis_size(cfg.axis_name)))
+        choice = choose_backward(ring_shape(cfg, q, k, segment_ids, axis_size(cfg.axis_name)))
         cfg = dataclasses.replace(cfg, backward=choice.scheme)
     return _ring(cfg, q, k, v, segment_ids)
 
 
-def ring_shape(q, k, segment_ids, num_devices: int) -> RingShape:
-    """The per-device shapes that fix ring traffic (for ``costs``)."""
+def ring_shape(cfg: AttnConfig, q, k, segment_ids, num_devices: int) -> RingShape:
+    """The per-device shapes and hop chains that fix ring traffic (for ``costs``)."""
     B, T, Hq, D = q.shape
+    sched = _schedule(cfg, T, num_devices)
     return RingShape(num_devices=num_devices, batch=B, tokens=T, q_heads=Hq,
                      kv_heads=k.shape[2], head_dim=D, itemsize=jnp.dtype(q.dtype).itemsize,
-                     has_segments=segment_ids is not None)
+                     has_segments=segment_ids is not None,
+                     chains=tuple(n for _, n in sched.chains()))
+
+
+def _schedule(cfg: AttnConfig, T: int, G: int) -> RingSchedule:
+    return ring_schedule(cfg.layout, cfg.mask, T, G)
 
 
 def _positions(cfg: AttnConfig, shard, T: int, G: int):
@@ -94,6 +105,12 @@ def _cond(cfg: AttnConfig, pred, fn, skip, *args):
     return lax.cond(pred, fn, skip, *args)
 
 
+def _send(x, axis_name, G: int, offset: int):
+    """Send pytree ``x`` from device ``i`` to device ``(i + offset) mod G``."""
+    perm = [(i, (i + offset) % G) for i in range(G)]
+    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
+
+
 def _ring_forward(cfg: AttnConfig, q, k, v, seg):
     """Returns float32 ``o`` ``[B, T, Hq, D]`` and ``lse`` ``[B, Hq, T]``."""
     B, T, Hq, D = q.shape
@@ -103,18 +120,25 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg):
     o = jnp.zeros((B, T, Hq, D), F32)
     lse = jnp.full((B, Hq, T), -jnp.inf, F32)
     o, lse = vary_like((o, lse), q, k, v)
-    block = (k, v, seg)
-    for step in range(G):
-        nxt = ring_shift(block, cfg.axis_name, G) if step < G - 1 else None
-        kc, vc, sc = block
-        kv_pos = _positions(cfg, (idx - step) % G, T, G)
 
-        def compute(o, lse, kc=kc, vc=vc, sc=sc, kv_pos=kv_pos):
+    def visit(o, lse, block, src):
+        kc, vc, sc = block
+        kv_pos = _positions(cfg, src, T, G)
+
+        def compute(o, lse):
             o_s, lse_s = cfg.kernel.fwd(q, kc, vc, q_pos, kv_pos, cfg.mask, cfg.scale, seg, sc)
             return merge(o, lse, o_s, lse_s)
 
-        o, lse = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda o, lse: (o, lse), o, lse)
-        block = nxt
+        return _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda o, lse: (o, lse), o, lse)
+
+    o, lse = visit(o, lse, (k, v, seg), idx)
+    for direction, n in _schedule(cfg, T, G).chains():
+        block = ring_shift((k, v, seg), cfg.axis_name, G, reverse=direction < 0)
+        for hop in range(1, n + 1):
+            # issue the next transfer before computing on the block in hand (overlap)
+            nxt = ring_shift(block, cfg.axis_name, G, reverse=direction < 0) if hop < n else None
+            o, lse = visit(o, lse, block, (idx - direction * hop) % G)
+            block = nxt
     return o, lse
 
 
@@ -140,72 +164,92 @@ def _ring_bwd(cfg, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
-    """Ring Attention backward: K, V, dK, dV circulate; Q, dO, lse, delta stay home.
+def _tile_grads(cfg: AttnConfig, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
+    """Float32 ``(dq, dk, dv)`` of one tile, or zeros when its bounds prove it masked."""
+    def compute():
+        return cfg.kernel.bwd(q, k, v, None, lse, do, q_pos, kv_pos, cfg.mask, cfg.scale,
+                              q_seg, kv_seg, delta=delta)
 
-    The backward ring turns the other way (device i sends to i - 1).  Were it to turn the
-    same way as the forward, XLA would CSE its K/V transfers with the forward's and keep
-    all G rotated blocks alive between the two passes: O(S) memory per device instead of
-    O(S / G).  An ``optimization_barrier`` does not survive XLA's passes on CPU, so the
-    direction is what keeps the two rings distinct.
+    def skip():
+        zeros = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+        return vary_like(zeros, q, k, v, do, lse)
+
+    return _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, skip)
+
+
+def _chain(cfg: AttnConfig, G: int, direction: int, n: int, travel, visit, home, acc_like):
+    """Move ``travel`` ``n`` hops in ``direction`` and visit each device on the way.
+
+    ``visit(block, hop, home) -> (contrib, home)`` computes one tile: ``contrib`` (float32)
+    adds to the travelling block's accumulator, which rides along with the block and at
+    the end takes one direct hop home, cast to the dtypes of ``acc_like``; ``home`` is
+    the state that stays on this device.  Returns ``(accumulator of this device's own
+    block, home)``.
+    """
+    rev = direction < 0
+    block = ring_shift(travel, cfg.axis_name, G, reverse=rev)
+    acc = None
+    for hop in range(1, n + 1):
+        nxt = ring_shift(block, cfg.axis_name, G, reverse=rev) if hop < n else None
+        contrib, home = visit(block, hop, home)
+        acc = contrib if acc is None else jax.tree.map(jnp.add, acc, contrib)
+        if hop < n:
+            acc = ring_shift(acc, cfg.axis_name, G, reverse=rev)
+        block = nxt
+    acc = jax.tree.map(lambda a, like: a.astype(like.dtype), acc, acc_like)
+    return _send(acc, cfg.axis_name, G, -direction * n), home
+
+
+def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
+    """Ring Attention backward: K, V (and dK, dV) travel; Q, dO, lse, delta stay home.
+
+    K and V travel stacked in one buffer.  Sent separately they would be the very same
+    transfers as the forward's, XLA would merge the two (CSE), and every rotated K/V block
+    would stay alive from forward to backward: O(S) memory per device instead of O(S/G).
     """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
     q_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)  # once, not per step (BurstAttention Alg. 2 line 2)
-    dq = vary_like(jnp.zeros(q.shape, F32), q, k, v, do)
-    block = (k, v, seg)
-    acc = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q, k, v, do)
-    for step in range(G):
-        nxt = ring_shift(block, cfg.axis_name, G, reverse=True) if step < G - 1 else None
-        kc, vc, sc = block
-        kv_pos = _positions(cfg, (idx + step) % G, T, G)
+    dq, dk, dv = _tile_grads(cfg, q, k, v, lse, do, delta, q_pos, q_pos, seg, seg)
+    for direction, n in _schedule(cfg, T, G).chains():
+        def visit(block, hop, dq, direction=direction):
+            kv, sc = block
+            kv_pos = _positions(cfg, (idx - direction * hop) % G, T, G)
+            dq_s, dk_s, dv_s = _tile_grads(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
+                                           kv_pos, seg, sc)
+            return (dk_s, dv_s), dq + dq_s
 
-        def compute(dq, dkc, dvc, kc=kc, vc=vc, sc=sc, kv_pos=kv_pos):
-            dq_s, dk_s, dv_s = cfg.kernel.bwd(q, kc, vc, o, lse, do, q_pos, kv_pos, cfg.mask,
-                                              cfg.scale, seg, sc, delta=delta)
-            return dq + dq_s, dkc + dk_s, dvc + dv_s
-
-        dq, dkc, dvc = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute,
-                             lambda *a: a, dq, *acc)
-        if step == G - 1:  # complete: the hop home carries them in the gradient dtype
-            dkc, dvc = dkc.astype(k.dtype), dvc.astype(v.dtype)
-        # The accumulators move every step; after the last one they are back home.
-        acc = ring_shift((dkc, dvc), cfg.axis_name, G, reverse=True) if G > 1 else (dkc, dvc)
-        block = nxt
-    return dq, acc[0], acc[1]
+        (dk_home, dv_home), dq = _chain(cfg, G, direction, n, (jnp.stack([k, v]), seg),
+                                        visit, dq, (k, v))
+        dk, dv = dk + dk_home, dv + dv_home
+    return dq, dk, dv
 
 
 def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
-    """BurstAttention backward (Alg. 2): Q, dO, D, lse and dQ circulate; K, V stay home.
+    """BurstAttention backward (Alg. 2): Q, dO, D, lse and dQ travel; K, V stay home.
 
-    Line 2: ``D = rowsum(dO * O)`` once.  Lines 4-16: at step ``s`` device ``i`` holds the
-    query block of device ``(i - s) mod G`` with its running dQ, adds its K/V block's
-    contribution to dQ (line 14) and to its own dK, dV (lines 10, 13), and passes the
-    block on.  After the last step the dQ accumulators take one more hop to their owners.
+    Line 2: ``D = rowsum(dO * O)`` once.  Lines 4-16: each query block visits the devices
+    whose keys it may see (the opposite way to the forward's key/value blocks), adding to
+    its travelling dQ (line 14) and to the visited device's own dK, dV (lines 10, 13).
     """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
     kv_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)
-    dk, dv = vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q, k, v, do)
-    dqc = vary_like(jnp.zeros(q.shape, F32), q, k, v, do)
-    block = (q, do, delta, lse, seg)
-    for step in range(G):
-        nxt = ring_shift(block, cfg.axis_name, G) if step < G - 1 else None
-        qc, doc, dc, lc, sc = block
-        q_pos = _positions(cfg, (idx - step) % G, T, G)
+    dq, dk, dv = _tile_grads(cfg, q, k, v, lse, do, delta, kv_pos, kv_pos, seg, seg)
+    for direction, n in _schedule(cfg, T, G).chains():
+        qdir = -direction  # the query block of device a must reach device a - offset
 
-        def compute(dqc, dk, dv, qc=qc, doc=doc, dc=dc, lc=lc, sc=sc, q_pos=q_pos):
-            dq_s, dk_s, dv_s = cfg.kernel.bwd(qc, k, v, None, lc, doc, q_pos, kv_pos, cfg.mask,
-                                              cfg.scale, sc, seg, delta=dc)
-            return dqc + dq_s, dk + dk_s, dv + dv_s
+        def visit(block, hop, dkv, qdir=qdir):
+            qc, doc, dc, lc, sc = block
+            q_pos = _positions(cfg, (idx - qdir * hop) % G, T, G)
+            dq_s, dk_s, dv_s = _tile_grads(cfg, qc, k, v, lc, doc, dc, q_pos, kv_pos, sc, seg)
+            return dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
 
-        dqc, dk, dv = _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda *a: a, dqc, dk, dv)
-        if step == G - 1:  # complete: the hop home carries it in the gradient dtype
-            dqc = dqc.astype(q.dtype)
-        dqc = ring_shift(dqc, cfg.axis_name, G) if G > 1 else dqc
-        block = nxt
-    return dqc, dk, dv
+        dq_home, (dk, dv) = _chain(cfg, G, qdir, n, (q, do, delta, lse, seg), visit,
+                                   (dk, dv), q)
+        dq = dq + dq_home
+    return dq, dk, dv
