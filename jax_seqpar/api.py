@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from jax_seqpar import _compat
 from jax_seqpar.layouts import check_divisible, permutation
-from jax_seqpar.masks import WindowArg
+from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
 from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.ring import ring_attention_with_config
@@ -69,7 +69,8 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=} "
                          f"(GQA/MQA)")
-    check_divisible(layout, S, _num_shards(mesh, axis_name))
+    if layout != "striped":  # striped is checked once its stripe is known
+        check_divisible(layout, S, _num_shards(mesh, axis_name))
     if segment_ids is not None:
         if getattr(segment_ids, "shape", None) != (B, S):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(B, S)}; "
@@ -89,6 +90,7 @@ def attention(
     causal: bool = False,
     window: WindowArg = None,
     segment_ids: Optional[Int[Array, "B S"]] = None,
+    block_mask=None,
     layout: str = "contiguous",
     permuted: bool = False,
     backward: str = "auto",
@@ -104,6 +106,11 @@ def attention(
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
+      block_mask: block-sparse attention (BurstEngine §3.4): a static boolean array
+        ``[S/b, S/b]`` (NumPy, or a concrete JAX array); query block ``i`` sees key block
+        ``j`` iff ``block_mask[i, j]``.  With ``layout="striped"`` the tokens are dealt in
+        runs of ``b / G`` so every device holds an equal share of every block (``b`` must
+        then be a multiple of ``G``).
       layout: how tokens are dealt to devices: ``"contiguous"``, ``"zigzag"`` or
         ``"striped"`` (the last two balance causal work; see ``jax_seqpar.layouts``).
       permuted: False (default): arrays are in natural token order, permuted into the
@@ -121,9 +128,19 @@ def attention(
     _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
+    G = _num_shards(mesh, axis_name)
+    bm = _block_mask(block_mask, q.shape[1])
+    stripe = 1
+    if bm is not None and layout == "striped":
+        if bm.block_size % G:
+            raise ValueError(f"block_mask blocks of {bm.block_size} tokens must be a multiple "
+                             f"of the {G} devices for layout='striped' (BurstEngine §3.4); "
+                             f"use fewer, larger blocks or another layout")
+        stripe = bm.block_size // G
+    check_divisible(layout, q.shape[1], G, stripe)
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
-                      backward=backward, kernel=kernel)
+                      backward=backward, kernel=kernel, block_mask=bm, stripe=stripe)
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config}[strategy]
     seq = P(None, axis_name)
@@ -135,14 +152,12 @@ def attention(
         fn = _compat.shard_map(lambda q, k, v, s: per_device(cfg, q, k, v, s), mesh=mesh,
                                in_specs=(seq, seq, seq, seq), out_specs=seq)
         args = (q, k, v, segment_ids.astype(jnp.int32))
-    G = _num_shards(mesh, axis_name)
-
     def run(*args):
         if not permuted:  # natural order in and out; the ring works in layout order
-            args = tuple(_reorder(a, layout, G, mesh, seq, False) for a in args)
+            args = tuple(_reorder(a, layout, G, stripe, mesh, seq, False) for a in args)
         args = tuple(_compat.place(a, mesh, seq) for a in args)
         out = fn(*args)
-        return out if permuted else _reorder(out, layout, G, mesh, seq, True)
+        return out if permuted else _reorder(out, layout, G, stripe, mesh, seq, True)
 
     # Under jit, explicit-axis meshes get their reshards (and their transposes in the
     # backward) placed by the compiler; eagerly, a cotangent would reach the transposed
@@ -150,8 +165,8 @@ def attention(
     return jax.jit(run)(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _reorder(x, layout, G, mesh, spec, inverse):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _reorder(x, layout, G, stripe, mesh, spec, inverse):
     """Permute tokens into (``inverse=False``) or out of ``layout`` order.
 
     A permutation's transpose is the inverse permutation, so the backward is another
@@ -159,17 +174,39 @@ def _reorder(x, layout, G, mesh, spec, inverse):
     """
     if layout == "contiguous":
         return x
-    perm = permutation(layout, x.shape[1], G)
+    perm = permutation(layout, x.shape[1], G, stripe)
     idx = jnp.asarray(np.argsort(perm) if inverse else perm)
     return _compat.take_seq(x, idx, mesh, spec)
 
 
-def _reorder_fwd(x, layout, G, mesh, spec, inverse):
-    return _reorder(x, layout, G, mesh, spec, inverse), None
+def _reorder_fwd(x, layout, G, stripe, mesh, spec, inverse):
+    return _reorder(x, layout, G, stripe, mesh, spec, inverse), None
 
 
-def _reorder_bwd(layout, G, mesh, spec, inverse, _, ct):
-    return (_reorder(ct, layout, G, mesh, spec, not inverse),)
+def _reorder_bwd(layout, G, stripe, mesh, spec, inverse, _, ct):
+    return (_reorder(ct, layout, G, stripe, mesh, spec, not inverse),)
+
+
+def _block_mask(block_mask, S: int) -> Optional[BlockMask]:
+    """Validate ``block_mask`` (``[S/b, S/b]`` booleans) into a static ``BlockMask``."""
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        if isinstance(block_mask, BlockMask) and block_mask.num_blocks * block_mask.block_size != S:
+            raise ValueError(f"block_mask covers {block_mask.num_blocks} x "
+                             f"{block_mask.block_size} tokens but the sequence has {S=}")
+        return block_mask
+    if isinstance(block_mask, jax.core.Tracer):
+        raise TypeError("block_mask must be concrete (a NumPy array), not a traced value: "
+                        "it decides statically which tiles are computed")
+    table = np.asarray(block_mask)
+    if table.ndim != 2 or table.shape[0] != table.shape[1]:
+        raise ValueError(f"block_mask must have shape [S/b, S/b]; got {table.shape}")
+    if table.dtype != np.bool_:
+        raise TypeError(f"block_mask.dtype={table.dtype} must be bool")
+    n = table.shape[0]
+    if n == 0 or S % n:
+        raise ValueError(f"block_mask has {n} blocks, which must divide the sequence "
+                         f"length {S=}")
+    return BlockMask(table, S // n)
 
 
 _reorder.defvjp(_reorder_fwd, _reorder_bwd)

@@ -10,9 +10,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar.masks import MaskSpec, WindowArg
+from jax_seqpar.masks import BlockMask, MaskSpec, WindowArg
 
 
 def reference_attention(
@@ -27,6 +28,7 @@ def reference_attention(
     q_pos: Optional[Int[Array, "Tq"]] = None,
     kv_pos: Optional[Int[Array, "Tk"]] = None,
     scale: Optional[float] = None,
+    block_mask=None,
 ) -> tuple[Float[Array, "B Tq Hq D"], Float[Array, "B Hq Tq"]]:
     """Return ``(out, lse)`` of softmax attention, computed densely in float32.
 
@@ -49,7 +51,10 @@ def reference_attention(
     qf = q.astype(jnp.float32).reshape(B, Tq, Hkv, g, D)
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=jax.lax.Precision.HIGHEST) * scale
-    mask = MaskSpec(causal=causal, window=window).visible(
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        table = np.asarray(block_mask)
+        block_mask = BlockMask(table, max(Tq, Tk) // table.shape[0])
+    mask = MaskSpec(causal=causal, window=window, block_mask=block_mask).visible(
         q_pos[None], kv_pos[None],
         None if segment_ids is None else segment_ids,
         None if kv_segment_ids is None else kv_segment_ids)  # [B or 1, Tq, Tk]

@@ -30,14 +30,16 @@ def allgather_attention(
     causal: bool = False,
     window: WindowArg = None,
     scale: Optional[float] = None,
+    block_mask=None,
     layout: str = "contiguous",
+    stripe: int = 1,
     backward: str = "auto",
     kernel="auto",
 ) -> Float[Array, "B T Hq D"]:
     """Same signature and result as ``ring_attention``; ``backward`` has no effect here."""
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
-                      backward=backward, kernel=kernel)
+                      backward=backward, kernel=kernel, block_mask=block_mask, stripe=stripe)
     return allgather_attention_with_config(cfg, q, k, v, segment_ids)
 
 
@@ -48,6 +50,7 @@ def allgather_attention_with_config(cfg: AttnConfig, q, k, v, segment_ids=None):
     gather = lambda x: lax.all_gather(x, cfg.axis_name, axis=1, tiled=True)  # noqa: E731
     k_all, v_all = gather(k), gather(v)
     seg_all = None if segment_ids is None else gather(segment_ids)
-    q_pos = shard_positions(cfg.layout, idx, T, G)
-    kv_pos = jnp.concatenate([shard_positions(cfg.layout, j, T, G) for j in range(G)])
+    q_pos = shard_positions(cfg.layout, idx, T, G, stripe=cfg.stripe)
+    kv_pos = jnp.concatenate([shard_positions(cfg.layout, j, T, G, stripe=cfg.stripe)
+                              for j in range(G)])
     return local_attention(cfg, q, k_all, v_all, q_pos, kv_pos, segment_ids, seg_all)

@@ -27,6 +27,7 @@ class AttnConfig:
     kernel: AttentionKernel
     layout: str = "contiguous"
     backward: str = "kv"
+    stripe: int = 1  # run length of the "striped" layout
 
     def __post_init__(self):
         check_layout(self.layout)
@@ -36,9 +37,10 @@ class AttnConfig:
 
 def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
                 segment_ids, scale: Optional[float], layout: str, backward: str,
-                kernel: Union[str, AttentionKernel]) -> AttnConfig:
+                kernel: Union[str, AttentionKernel], block_mask=None,
+                stripe: int = 1) -> AttnConfig:
     """Validate per-call options and resolve ``kernel`` into a backend object."""
-    mask = MaskSpec(causal=causal, window=window)
+    mask = MaskSpec(causal=causal, window=window, block_mask=block_mask)
     D = q.shape[-1]
     if scale is None:
         scale = D ** -0.5
@@ -49,7 +51,7 @@ def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
                                 head_dim=D, mask=mask, has_segments=segment_ids is not None)
         kernel = get_kernel(kernel, request)
     return AttnConfig(axis_name=axis_name, mask=mask, scale=float(scale), kernel=kernel,
-                      layout=layout, backward=backward)
+                      layout=layout, backward=backward, stripe=stripe)
 
 
 def axis_size(axis_name: AxisName) -> int:

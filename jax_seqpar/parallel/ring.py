@@ -55,7 +55,9 @@ def ring_attention(
     causal: bool = False,
     window: WindowArg = None,
     scale: Optional[float] = None,
+    block_mask=None,
     layout: str = "contiguous",
+    stripe: int = 1,
     backward: str = "kv",
     kernel="auto",
 ) -> Float[Array, "B T Hq D"]:
@@ -66,7 +68,7 @@ def ring_attention(
     """
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
-                      backward=backward, kernel=kernel)
+                      backward=backward, kernel=kernel, block_mask=block_mask, stripe=stripe)
     return ring_attention_with_config(cfg, q, k, v, segment_ids)
 
 
@@ -88,11 +90,11 @@ def ring_shape(cfg: AttnConfig, q, k, segment_ids, num_devices: int) -> RingShap
 
 
 def _schedule(cfg: AttnConfig, T: int, G: int) -> RingSchedule:
-    return ring_schedule(cfg.layout, cfg.mask, T, G)
+    return ring_schedule(cfg.layout, cfg.mask, T, G, cfg.stripe)
 
 
 def _positions(cfg: AttnConfig, shard, T: int, G: int):
-    return shard_positions(cfg.layout, shard, T, G)
+    return shard_positions(cfg.layout, shard, T, G, stripe=cfg.stripe)
 
 
 def _visible(cfg: AttnConfig, q_pos, kv_pos):

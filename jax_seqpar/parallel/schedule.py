@@ -40,27 +40,27 @@ class RingSchedule:
         return [(d, n) for d, n in ((1, self.forward), (-1, self.backward)) if n > 0]
 
 
-def _bounds(layout, i, T, G):
-    p = shard_positions(layout, i, T, G, xp=np)
+def _bounds(layout, i, T, G, stripe):
+    p = shard_positions(layout, i, T, G, xp=np, stripe=stripe)
     return int(p.min()), int(p.max())
 
 
-def needed_offsets(layout: str, mask: MaskSpec, T: int, G: int) -> set:
+def needed_offsets(layout: str, mask: MaskSpec, T: int, G: int, stripe: int = 1) -> set:
     """Offsets ``d`` (``1 <= d < G``) at which some device may see some key."""
     out = set()
     for d in range(1, G):
         for i in range(G):
-            qlo, qhi = _bounds(layout, i, T, G)
-            klo, khi = _bounds(layout, (i - d) % G, T, G)
+            qlo, qhi = _bounds(layout, i, T, G, stripe)
+            klo, khi = _bounds(layout, (i - d) % G, T, G, stripe)
             if mask.tile_may_be_visible(qlo, qhi, klo, khi):
                 out.add(d)
                 break
     return out
 
 
-def ring_schedule(layout: str, mask: MaskSpec, T: int, G: int) -> RingSchedule:
+def ring_schedule(layout: str, mask: MaskSpec, T: int, G: int, stripe: int = 1) -> RingSchedule:
     """The shortest two-sided ring that visits every needed offset."""
-    need = needed_offsets(layout, mask, T, G)
+    need = needed_offsets(layout, mask, T, G, stripe)
     if not need:
         return RingSchedule(G, 0, 0)
     best = (G - 1, 0)
@@ -80,7 +80,7 @@ def _blocks(pos: np.ndarray, block: int):
 
 
 def tile_counts(layout: str, mask: MaskSpec, seq_len: int, num_devices: int,
-                block_q: int = 512, block_k: int = 512) -> np.ndarray:
+                block_q: int = 512, block_k: int = 512, stripe: int = 1) -> np.ndarray:
     """Tiles of ``block_q x block_k`` each device computes over the whole ring (forward).
 
     A tile counts unless its position bounds prove it fully masked -- the kernels' rule.
@@ -88,13 +88,13 @@ def tile_counts(layout: str, mask: MaskSpec, seq_len: int, num_devices: int,
     G = num_devices
     T = seq_len // G
     bq, bk = min(block_q, T), min(block_k, T)
-    sched = ring_schedule(layout, mask, T, G)
+    sched = ring_schedule(layout, mask, T, G, stripe)
     offsets = [0] + list(range(1, sched.forward + 1)) + [G - r for r in range(1, sched.backward + 1)]
     counts = np.zeros(G, np.int64)
     for i in range(G):
-        qlo, qhi = _blocks(shard_positions(layout, i, T, G, xp=np), bq)
+        qlo, qhi = _blocks(shard_positions(layout, i, T, G, xp=np, stripe=stripe), bq)
         for d in offsets:
-            klo, khi = _blocks(shard_positions(layout, (i - d) % G, T, G, xp=np), bk)
+            klo, khi = _blocks(shard_positions(layout, (i - d) % G, T, G, xp=np, stripe=stripe), bk)
             vis = mask.tile_may_be_visible(qlo[:, None], qhi[:, None], klo[None, :], khi[None, :])
             counts[i] += int(np.broadcast_to(vis, (len(qlo), len(klo))).sum())
     return counts
