@@ -6,8 +6,10 @@ holds the block of device ``(i - h) mod G``, computes the tile with the local ke
 the block travels on, and merges ``(o, lse)`` online (``merge.py``).  The static
 ``schedule.ring_schedule`` decides how far the blocks travel: the whole ring (``G - 1``
 hops) for dense and causal masks, only as far as a sliding window reaches otherwise (a
-chain of hops to the left neighbours and one to the right).  Tiles whose position bounds
-prove them fully masked skip their compute; their transfers still happen.
+chain of hops to the left neighbours and one to the right).  Each (query device, key
+device) pair is computed by ``pairs.py``: tiles whose position bounds prove them fully
+masked skip their compute (their transfers still happen), and for causal contiguous and
+zigzag layouts one ``cond`` per pair picks the visible part, computed without a mask.
 
 Backward (``custom_vjp``), along the same chains:
 
@@ -41,6 +43,7 @@ from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_
 from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
+from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
 
 F32 = jnp.float32
 
@@ -97,16 +100,6 @@ def _positions(cfg: AttnConfig, shard, T: int, G: int):
     return shard_positions(cfg.layout, shard, T, G, stripe=cfg.stripe)
 
 
-def _visible(cfg: AttnConfig, q_pos, kv_pos):
-    return cfg.mask.tile_may_be_visible(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max())
-
-
-def _cond(cfg: AttnConfig, pred, fn, skip, *args):
-    if cfg.mask.is_dense:
-        return fn(*args)
-    return lax.cond(pred, fn, skip, *args)
-
-
 def _send(x, axis_name, G: int, offset: int):
     """Send pytree ``x`` from device ``i`` to device ``(i + offset) mod G``."""
     perm = [(i, (i + offset) % G) for i in range(G)]
@@ -123,17 +116,13 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg):
     lse = jnp.full((B, Hq, T), -jnp.inf, F32)
     o, lse = vary_like((o, lse), q, k, v)
 
-    def visit(o, lse, block, src):
+    def visit(o, lse, block, src, same=False):
         kc, vc, sc = block
-        kv_pos = _positions(cfg, src, T, G)
+        o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), seg, sc,
+                              idx, src, same=same)
+        return merge(o, lse, o_s, lse_s)
 
-        def compute(o, lse):
-            o_s, lse_s = cfg.kernel.fwd(q, kc, vc, q_pos, kv_pos, cfg.mask, cfg.scale, seg, sc)
-            return merge(o, lse, o_s, lse_s)
-
-        return _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, lambda o, lse: (o, lse), o, lse)
-
-    o, lse = visit(o, lse, (k, v, seg), idx)
+    o, lse = visit(o, lse, (k, v, seg), idx, same=True)
     for direction, n in _schedule(cfg, T, G).chains():
         block = ring_shift((k, v, seg), cfg.axis_name, G, reverse=direction < 0)
         for hop in range(1, n + 1):
@@ -164,19 +153,6 @@ def _ring_bwd(cfg, res, do):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _tile_grads(cfg: AttnConfig, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg):
-    """Float32 ``(dq, dk, dv)`` of one tile, or zeros when its bounds prove it masked."""
-    def compute():
-        return cfg.kernel.bwd(q, k, v, None, lse, do, q_pos, kv_pos, cfg.mask, cfg.scale,
-                              q_seg, kv_seg, delta=delta)
-
-    def skip():
-        zeros = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-        return vary_like(zeros, q, k, v, do, lse)
-
-    return _cond(cfg, _visible(cfg, q_pos, kv_pos), compute, skip)
 
 
 def _chain(cfg: AttnConfig, G: int, direction: int, n: int, travel, visit, home, acc_like):
@@ -214,13 +190,15 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     idx = lax.axis_index(cfg.axis_name)
     q_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)  # once, not per step (BurstAttention Alg. 2 line 2)
-    dq, dk, dv = _tile_grads(cfg, q, k, v, lse, do, delta, q_pos, q_pos, seg, seg)
+    dq, dk, dv = pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, q_pos, seg, seg, idx, idx,
+                          same=True)
     for direction, n in _schedule(cfg, T, G).chains():
         def visit(block, hop, dq, direction=direction):
             kv, sc = block
-            kv_pos = _positions(cfg, (idx - direction * hop) % G, T, G)
-            dq_s, dk_s, dv_s = _tile_grads(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
-                                           kv_pos, seg, sc)
+            src = (idx - direction * hop) % G
+            dq_s, dk_s, dv_s = pair_bwd(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
+                                        _positions(cfg, src, T, G), seg, sc, idx, src,
+                                        same=False)
             return (dk_s, dv_s), dq + dq_s
 
         (dk_home, dv_home), dq = _chain(cfg, G, direction, n, (jnp.stack([k, v]), seg),
@@ -241,14 +219,16 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     idx = lax.axis_index(cfg.axis_name)
     kv_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)
-    dq, dk, dv = _tile_grads(cfg, q, k, v, lse, do, delta, kv_pos, kv_pos, seg, seg)
+    dq, dk, dv = pair_bwd(cfg, q, k, v, lse, do, delta, kv_pos, kv_pos, seg, seg, idx, idx,
+                          same=True)
     for direction, n in _schedule(cfg, T, G).chains():
         qdir = -direction  # the query block of device a must reach device a - offset
 
         def visit(block, hop, dkv, qdir=qdir):
             qc, doc, dc, lc, sc = block
-            q_pos = _positions(cfg, (idx - qdir * hop) % G, T, G)
-            dq_s, dk_s, dv_s = _tile_grads(cfg, qc, k, v, lc, doc, dc, q_pos, kv_pos, sc, seg)
+            src = (idx - qdir * hop) % G
+            dq_s, dk_s, dv_s = pair_bwd(cfg, qc, k, v, lc, doc, dc, _positions(cfg, src, T, G),
+                                        kv_pos, sc, seg, src, idx, same=False)
             return dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
 
         dq_home, (dk, dv) = _chain(cfg, G, qdir, n, (q, do, delta, lse, seg), visit,

@@ -1,0 +1,129 @@
+"""Attention between one device's queries and another device's keys (a "pair").
+
+The general path calls the local kernel with the full mask and lets it skip tiles whose
+position bounds prove them masked.  For a causal mask under the ``contiguous`` and
+``zigzag`` layouts the shape of the visible part of a pair of *different* devices is
+known in advance, up to which device comes first, so one ``lax.cond`` per pair picks a
+mask-free kernel call on exactly the visible part (DistFlashAttn §3.2; BurstEngine
+Eq. 12):
+
+* contiguous, query device ``i``, key device ``j != i``: all visible if ``j < i``,
+  nothing if ``j > i``.
+* zigzag (device ``i`` holds chunks ``i`` and ``2G-1-i``): if ``j < i`` all queries see
+  the first key chunk only; if ``j > i`` only the second query chunk sees, and it sees
+  both key chunks.  Half the work either way, with static shapes.
+
+This matters wherever a per-tile ``cond`` is expensive (on GPUs each one waits for its
+predicate): the mask-free calls have none.  Segment ids are still applied.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_seqpar._compat import vary_like
+from jax_seqpar.masks import MaskSpec
+
+F32 = jnp.float32
+_DENSE = MaskSpec()
+
+
+def _structured(cfg) -> bool:
+    m = cfg.mask
+    return (m.causal and m.window is None and m.block_mask is None
+            and cfg.layout in ("contiguous", "zigzag"))
+
+
+def _seg(x, sl):
+    return None if x is None else x[:, sl]
+
+
+def _general_pred(cfg, q_pos, kv_pos):
+    return cfg.mask.tile_may_be_visible(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max())
+
+
+def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same: bool):
+    """Float32 ``(o, lse)`` of this pair (``o = 0, lse = -inf`` where nothing is visible).
+
+    ``q_dev`` / ``kv_dev`` are the (traced) devices owning the queries and keys; ``same``
+    says statically that they are one device.
+    """
+    B, T, Hq, D = q.shape
+
+    def empty():
+        return vary_like((jnp.zeros((B, T, Hq, D), F32), jnp.full((B, Hq, T), -jnp.inf, F32)),
+                         q, k, v)
+
+    def call(qs, ks, vs, qp, kp, qsg, ksg, mask):
+        return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
+
+    if same or not _structured(cfg):
+        def general():
+            return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
+        if cfg.mask.is_dense:
+            return general()
+        return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, empty)
+
+    if cfg.layout == "contiguous":
+        def full():
+            return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, _DENSE)
+        return lax.cond(kv_dev < q_dev, full, empty)
+
+    h = T // 2
+    first, second = slice(0, h), slice(h, T)
+
+    def earlier():  # keys from a lower device: every query sees the first key chunk
+        return call(q, k[:, first], v[:, first], q_pos, kv_pos[first], q_seg,
+                    _seg(kv_seg, first), _DENSE)
+
+    def later():  # keys from a higher device: the second query chunk sees all of them
+        o2, lse2 = call(q[:, second], k, v, q_pos[second], kv_pos, _seg(q_seg, second),
+                        kv_seg, _DENSE)
+        o0, lse0 = empty()
+        return o0.at[:, second].set(o2), lse0.at[..., second].set(lse2)
+
+    return lax.cond(kv_dev < q_dev, earlier, later)
+
+
+def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *,
+             same: bool):
+    """Float32 ``(dq, dk, dv)`` of this pair, with the global ``lse`` and ``delta``."""
+    def zeros():
+        return vary_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32),
+                          jnp.zeros(v.shape, F32)), q, k, v, do, lse)
+
+    def call(qs, ks, vs, ls, dos, ds, qp, kp, qsg, ksg, mask):
+        return cfg.kernel.bwd(qs, ks, vs, None, ls, dos, qp, kp, mask, cfg.scale, qsg, ksg,
+                              delta=ds)
+
+    if same or not _structured(cfg):
+        def general():
+            return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
+        if cfg.mask.is_dense:
+            return general()
+        return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, zeros)
+
+    if cfg.layout == "contiguous":
+        def full():
+            return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, _DENSE)
+        return lax.cond(kv_dev < q_dev, full, zeros)
+
+    T = q.shape[1]
+    h = T // 2
+    first, second = slice(0, h), slice(h, T)
+
+    def earlier():
+        dq, dk1, dv1 = call(q, k[:, first], v[:, first], lse, do, delta, q_pos, kv_pos[first],
+                            q_seg, _seg(kv_seg, first), _DENSE)
+        _, dk, dv = zeros()
+        return dq, dk.at[:, first].set(dk1), dv.at[:, first].set(dv1)
+
+    def later():
+        dq2, dk, dv = call(q[:, second], k, v, lse[..., second], do[:, second],
+                           delta[..., second], q_pos[second], kv_pos, _seg(q_seg, second),
+                           kv_seg, _DENSE)
+        dq, _, _ = zeros()
+        return dq.at[:, second].set(dq2), dk, dv
+
+    return lax.cond(kv_dev < q_dev, earlier, later)
