@@ -13,6 +13,10 @@ Eq. 12):
   the first key chunk only; if ``j > i`` only the second query chunk sees, and it sees
   both key chunks.  Half the work either way, with static shapes.
 
+* the same device (both layouts): the halves ``a`` (earlier positions) and ``b`` of the
+  block give a causal ``a x a``, a mask-free ``b x a`` and a causal ``b x b``; ``a x b``
+  is masked and never visited.
+
 This matters wherever a per-tile ``cond`` is expensive (on GPUs each one waits for its
 predicate): the mask-free calls have none.  Segment ids are still applied.
 """
@@ -24,6 +28,7 @@ from jax import lax
 
 from jax_seqpar._compat import vary_like
 from jax_seqpar.masks import MaskSpec
+from jax_seqpar.parallel.merge import merge
 
 F32 = jnp.float32
 _DENSE = MaskSpec()
@@ -58,20 +63,27 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
     def call(qs, ks, vs, qp, kp, qsg, ksg, mask):
         return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
 
-    if same or not _structured(cfg):
+    if not _structured(cfg) or (same and T % 2):
         def general():
             return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
         if cfg.mask.is_dense:
             return general()
         return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, empty)
 
+    h = T // 2
+    first, second = slice(0, h), slice(h, T)
+    if same:
+        def part(qs, ks, mask):
+            return call(q[:, qs], k[:, ks], v[:, ks], q_pos[qs], kv_pos[ks], _seg(q_seg, qs),
+                        _seg(kv_seg, ks), mask)
+        o1, lse1 = part(first, first, cfg.mask)
+        o2, lse2 = merge(*part(second, first, _DENSE), *part(second, second, cfg.mask))
+        return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=-1)
+
     if cfg.layout == "contiguous":
         def full():
             return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, _DENSE)
         return lax.cond(kv_dev < q_dev, full, empty)
-
-    h = T // 2
-    first, second = slice(0, h), slice(h, T)
 
     def earlier():  # keys from a lower device: every query sees the first key chunk
         return call(q, k[:, first], v[:, first], q_pos, kv_pos[first], q_seg,
@@ -97,21 +109,30 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
         return cfg.kernel.bwd(qs, ks, vs, None, ls, dos, qp, kp, mask, cfg.scale, qsg, ksg,
                               delta=ds)
 
-    if same or not _structured(cfg):
+    T = q.shape[1]
+    if not _structured(cfg) or (same and T % 2):
         def general():
             return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
         if cfg.mask.is_dense:
             return general()
         return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, zeros)
 
+    h = T // 2
+    first, second = slice(0, h), slice(h, T)
+    if same:
+        def part(qs, ks, mask):
+            return call(q[:, qs], k[:, ks], v[:, ks], lse[..., qs], do[:, qs], delta[..., qs],
+                        q_pos[qs], kv_pos[ks], _seg(q_seg, qs), _seg(kv_seg, ks), mask)
+        dq1, dk1, dv1 = part(first, first, cfg.mask)
+        dq2, dk1b, dv1b = part(second, first, _DENSE)
+        dq2b, dk2, dv2 = part(second, second, cfg.mask)
+        cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+        return cat(dq1, dq2 + dq2b), cat(dk1 + dk1b, dk2), cat(dv1 + dv1b, dv2)
+
     if cfg.layout == "contiguous":
         def full():
             return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, _DENSE)
         return lax.cond(kv_dev < q_dev, full, zeros)
-
-    T = q.shape[1]
-    h = T // 2
-    first, second = slice(0, h), slice(h, T)
 
     def earlier():
         dq, dk1, dv1 = call(q, k[:, first], v[:, first], lse, do, delta, q_pos, kv_pos[first],
