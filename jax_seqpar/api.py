@@ -125,6 +125,8 @@ def attention(
 
     Returns: ``[B, S, Hq, D]`` in ``q.dtype``, natural token order.
     """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
     _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
@@ -141,17 +143,26 @@ def attention(
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
                       backward=backward, kernel=kernel, block_mask=bm, stripe=stripe)
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
+    key = (cfg, strategy, mesh, G, permuted, len(args))
+    try:
+        hash(key)
+    except TypeError:  # e.g. a user kernel object that is not hashable: no caching
+        return _program.__wrapped__(*key)(*args)
+    return _program(*key)(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
+    """The jitted global program for one static configuration (cached, so repeated eager
+    calls reuse the compiled executable instead of tracing a fresh closure each time)."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config}[strategy]
-    seq = P(None, axis_name)
-    if segment_ids is None:
-        fn = _compat.shard_map(lambda q, k, v: per_device(cfg, q, k, v, None), mesh=mesh,
-                               in_specs=(seq, seq, seq), out_specs=seq)
-        args = (q, k, v)
-    else:
-        fn = _compat.shard_map(lambda q, k, v, s: per_device(cfg, q, k, v, s), mesh=mesh,
-                               in_specs=(seq, seq, seq, seq), out_specs=seq)
-        args = (q, k, v, segment_ids.astype(jnp.int32))
+    seq = P(None, cfg.axis_name)
+    fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,
+                           in_specs=(seq,) * nargs, out_specs=seq)
+    layout, stripe = cfg.layout, cfg.stripe
+
     def run(*args):
         if not permuted:  # natural order in and out; the ring works in layout order
             args = tuple(_reorder(a, layout, G, stripe, mesh, seq, False) for a in args)
@@ -162,7 +173,7 @@ def attention(
     # Under jit, explicit-axis meshes get their reshards (and their transposes in the
     # backward) placed by the compiler; eagerly, a cotangent would reach the transposed
     # shard_map unsharded.
-    return jax.jit(run)(*args)
+    return jax.jit(run)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))

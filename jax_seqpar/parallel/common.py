@@ -46,6 +46,10 @@ def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
         scale = D ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale={scale!r} must be a Python float (or None for 1/sqrt(D))")
+    if not isinstance(kernel, str) and not all(
+            callable(getattr(kernel, m, None)) for m in ("fwd", "bwd", "check")):
+        raise TypeError(f"kernel={kernel!r} must be a backend name ('auto', 'xla', ...) or a "
+                        f"kernel object with fwd, bwd and check methods (kernels/base.py)")
     if isinstance(kernel, str):
         request = KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
                                 head_dim=D, mask=mask, has_segments=segment_ids is not None)
