@@ -44,8 +44,12 @@ def _seg(x, sl):
     return None if x is None else x[:, sl]
 
 
-def _general_pred(cfg, q_pos, kv_pos):
-    return cfg.mask.tile_may_be_visible(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max())
+def _general(cfg, q_pos, kv_pos, nothing, compute):
+    """``compute()`` unless the pair's position bounds prove it masked (then ``nothing()``)."""
+    if cfg.mask.is_dense:
+        return compute()
+    pred = cfg.mask.tile_may_be_visible(q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max())
+    return lax.cond(pred, compute, nothing)
 
 
 def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same: bool):
@@ -64,11 +68,8 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
         return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
 
     if not _structured(cfg) or (same and T % 2):
-        def general():
-            return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
-        if cfg.mask.is_dense:
-            return general()
-        return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, empty)
+        return _general(cfg, q_pos, kv_pos, empty,
+                        lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
 
     h = T // 2
     first, second = slice(0, h), slice(h, T)
@@ -111,11 +112,8 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
 
     T = q.shape[1]
     if not _structured(cfg) or (same and T % 2):
-        def general():
-            return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask)
-        if cfg.mask.is_dense:
-            return general()
-        return lax.cond(_general_pred(cfg, q_pos, kv_pos), general, zeros)
+        return _general(cfg, q_pos, kv_pos, zeros, lambda: call(
+            q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
 
     h = T // 2
     first, second = slice(0, h), slice(h, T)

@@ -66,8 +66,10 @@ def ring_attention(
 ) -> Float[Array, "B T Hq D"]:
     """Per-device ring self-attention over the sequence axis ``axis_name``.
 
-    ``q``, ``k``, ``v`` and ``segment_ids`` are this device's shards, in ``layout`` order.
-    Returns this device's shard of the output, in the dtype of ``q``.
+    ``q``, ``k``, ``v`` and ``segment_ids`` are this device's shards, in ``layout`` order
+    (with run length ``stripe`` for ``"striped"``).  ``block_mask`` is a
+    ``masks.BlockMask`` over global positions.  Returns this device's shard of the output,
+    in the dtype of ``q``.  The options mean what they mean in ``jax_seqpar.attention``.
     """
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
