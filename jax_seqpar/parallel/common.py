@@ -68,7 +68,3 @@ def ring_shift(x, axis_name: AxisName, num: int, reverse: bool = False):
     step = -1 if reverse else 1
     perm = [(i, (i + step) % num) for i in range(num)]
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
-
-
-def rows_bounds(pos):
-    return pos.min(), pos.max()
