@@ -63,8 +63,12 @@ def axis_size(axis_name: AxisName) -> int:
     return lax.axis_size(axis_name)
 
 
-def ring_shift(x, axis_name: AxisName, num: int, reverse: bool = False):
-    """Send ``x`` (a pytree) from device ``i`` to ``(i + 1) % num`` (``i - 1`` if ``reverse``)."""
-    step = -1 if reverse else 1
-    perm = [(i, (i + step) % num) for i in range(num)]
+def send(x, axis_name: AxisName, num: int, offset: int):
+    """Send pytree ``x`` from device ``i`` to device ``(i + offset) mod num`` along the axis."""
+    perm = [(i, (i + offset) % num) for i in range(num)]
     return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
+
+
+def ring_shift(x, axis_name: AxisName, num: int, reverse: bool = False):
+    """One ring hop: device ``i`` to ``i + 1`` (``i - 1`` if ``reverse``)."""
+    return send(x, axis_name, num, -1 if reverse else 1)

@@ -39,7 +39,7 @@ from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
-from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_shift
+from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_shift, send
 from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
@@ -100,12 +100,6 @@ def _schedule(cfg: AttnConfig, T: int, G: int) -> RingSchedule:
 
 def _positions(cfg: AttnConfig, shard, T: int, G: int):
     return shard_positions(cfg.layout, shard, T, G, stripe=cfg.stripe)
-
-
-def _send(x, axis_name, G: int, offset: int):
-    """Send pytree ``x`` from device ``i`` to device ``(i + offset) mod G``."""
-    perm = [(i, (i + offset) % G) for i in range(G)]
-    return jax.tree.map(lambda a: lax.ppermute(a, axis_name, perm), x)
 
 
 def _ring_forward(cfg: AttnConfig, q, k, v, seg):
@@ -177,7 +171,7 @@ def _chain(cfg: AttnConfig, G: int, direction: int, n: int, travel, visit, home,
             acc = ring_shift(acc, cfg.axis_name, G, reverse=rev)
         block = nxt
     acc = jax.tree.map(lambda a, like: a.astype(like.dtype), acc, acc_like)
-    return _send(acc, cfg.axis_name, G, -direction * n), home
+    return send(acc, cfg.axis_name, G, -direction * n), home
 
 
 def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
