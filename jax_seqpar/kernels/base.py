@@ -8,7 +8,8 @@ carry *global* token positions (see DESIGN.md, "The local-kernel contract")::
         q_seg=None, kv_seg=None, delta=None) -> (dq, dk, dv)
 
 Shapes: q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` with ``Hq % Hkv == 0``; positions
-int32 ``[Tq]`` / ``[Tk]``; segment ids int32 ``[B, Tq]`` / ``[B, Tk]``; lse float32
+int32 ``[Tq]`` / ``[Tk]`` (the xla backend also takes per-row query positions ``[B, Tq]``,
+which decoding with ragged lengths needs); segment ids int32 ``[B, Tq]`` / ``[B, Tk]``; lse float32
 ``[B, Hq, Tq]`` (natural log).  ``o`` and the gradients are returned in float32; the
 caller casts.  In ``bwd``, ``o`` and ``lse`` may be the *global* output and lse of a
 larger attention of which this tile is a part (that is how ring attention uses it), and

@@ -56,6 +56,12 @@ def _unblocks(x, axis):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
+def _q_pos_blocks(q_pos, Lq: int, bq: int):
+    """Query positions ``[Tq]`` or per batch row ``[B, Tq]``, padded and cut into blocks."""
+    q_pos = _pad_axis(q_pos.astype(jnp.int32), q_pos.ndim - 1, Lq, mode="edge")
+    return _blocks(q_pos, q_pos.ndim - 1, bq)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
     """Key/value side cut into blocks, padded, with per-block position bounds."""
@@ -128,7 +134,7 @@ class XlaKernel:
         Lq = nq * bq
         kv = _kv_tiles(k, v, kv_pos, kv_seg, bk)
         qb = _blocks(_pad_axis(q, 1, Lq).reshape(B, Lq, Hkv, g, D), 1, bq)
-        qpb = _pad_axis(q_pos.astype(jnp.int32), 0, Lq, mode="edge").reshape(nq, bq)
+        qpb = _q_pos_blocks(q_pos, Lq, bq)
         qsb = None if q_seg is None else _blocks(_pad_axis(q_seg, 1, Lq, mode="edge"), 1, bq)
         pv_dtype = v.dtype
 
@@ -191,7 +197,7 @@ class XlaKernel:
 
         qb, dob = qview(q), qview(do)
         lseb, deltab = rowview(lse, -jnp.inf), rowview(delta, 0.0)
-        qpb = _pad_axis(q_pos.astype(jnp.int32), 0, Lq, mode="edge").reshape(nq, bq)
+        qpb = _q_pos_blocks(q_pos, Lq, bq)
         qsb = None if q_seg is None else _blocks(_pad_axis(q_seg, 1, Lq, mode="edge"), 1, bq)
 
         def q_block(dkv, args):

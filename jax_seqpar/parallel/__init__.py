@@ -3,5 +3,6 @@
 from jax_seqpar.parallel.allgather import allgather_attention
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.ring import ring_attention
+from jax_seqpar.parallel.tree import tree_attention, tree_reduce
 
-__all__ = ["allgather_attention", "merge", "ring_attention"]
+__all__ = ["allgather_attention", "merge", "ring_attention", "tree_attention", "tree_reduce"]

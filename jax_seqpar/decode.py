@@ -1,0 +1,175 @@
+"""Global-view decoding entry points: a few queries against a sequence-sharded KV cache.
+
+``tree_decode`` (Tree Attention, Alg. 3): every device attends the (replicated) queries
+to its own slice of the cache, then one ``pmax`` and one fused ``psum`` combine the
+partial results: ``O(B * Tq * H * D)`` values on the network, whatever the context length.
+``ring_decode`` passes the cache slices around the ring instead (the Ring Attention
+baseline of the paper), and ``allgather_decode`` gathers the whole cache on every device.
+All three return the same ``[B, Tq, Hq, D]`` output, replicated.
+
+``kv_lengths`` ``[B]`` gives each sequence's valid length (ragged batches): cache entries
+at positions ``>= kv_lengths[b]`` are masked.  With ``causal=True`` the ``Tq`` queries
+sit at the end of each sequence, at positions ``kv_lengths[b] - Tq + t`` (single-token or
+multi-token / speculative decoding).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from jax_seqpar import _compat
+from jax_seqpar.parallel.common import axis_size, make_config, ring_shift
+from jax_seqpar.parallel.merge import merge
+from jax_seqpar.parallel.tree import tree_attention
+
+STRATEGIES = ("tree", "ring", "allgather")
+
+
+def _validate(q, k, v, kv_lengths, mesh, axis_name):
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    G = 1
+    for name in names:
+        if name not in mesh.axis_names:
+            raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
+                             f"(mesh.axis_names={mesh.axis_names})")
+        G *= mesh.shape[name]
+    for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "
+                             f"got shape {getattr(x, 'shape', None)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k_cache.shape={k.shape} and v_cache.shape={v.shape} must be equal")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q, k_cache, v_cache must share one floating dtype; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dk = k.shape
+    if k.shape[0] != B or Dk != D:
+        raise ValueError(f"cache shape {k.shape} must match q shape {q.shape} in batch and "
+                         f"head_dim")
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=}")
+    if S % G:
+        raise ValueError(f"cache length {S=} must be divisible by the number of devices "
+                         f"along axis_name={axis_name!r} ({G}); pad the cache")
+    if kv_lengths is not None:
+        if getattr(kv_lengths, "shape", None) != (B,):
+            raise ValueError(f"kv_lengths must have shape [batch] = {(B,)}; got "
+                             f"{getattr(kv_lengths, 'shape', None)}")
+        if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+            raise TypeError(f"kv_lengths.dtype={kv_lengths.dtype} must be an integer dtype")
+    return names, G
+
+
+def _rows(lengths, Tq, T, shard):
+    """Query positions ``[B, Tq]``, key positions ``[T]`` of ``shard`` and the segment ids
+    that hide cache entries beyond each sequence's length."""
+    kv_pos = (shard * T + jnp.arange(T)).astype(jnp.int32)
+    q_pos = (lengths[:, None] - Tq + jnp.arange(Tq)[None, :]).astype(jnp.int32)
+    q_seg = jnp.ones(q_pos.shape, jnp.int32)
+    kv_seg = (kv_pos[None, :] < lengths[:, None]).astype(jnp.int32)
+    return q_pos, kv_pos, q_seg, kv_seg
+
+
+def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causal, kernel,
+            scale):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy={strategy!r}; choose one of {STRATEGIES}")
+    names, G = _validate(q, k_cache, v_cache, kv_lengths, mesh, axis_name)
+    axis = names if len(names) > 1 else names[0]
+    B, Tq = q.shape[:2]
+    S = k_cache.shape[1]
+    T = S // G
+    lengths = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
+               else kv_lengths.astype(jnp.int32))
+    cfg = make_config(q, k_cache, axis_name=axis, causal=causal, window=None,
+                      segment_ids=lengths, scale=scale, layout="contiguous",
+                      backward="kv", kernel=kernel)
+
+    def tree(q, k, v, lengths):
+        idx = lax.axis_index(axis)
+        q_pos, kv_pos, q_seg, kv_seg = _rows(lengths, Tq, T, idx)
+        return tree_attention(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+    def ring(q, k, v, lengths):
+        idx = lax.axis_index(axis)
+        o = jnp.zeros(q.shape, jnp.float32)
+        lse = jnp.full((B, q.shape[2], Tq), -jnp.inf, jnp.float32)
+        block = (k, v)
+        for step in range(G):
+            nxt = ring_shift(block, axis, G) if step < G - 1 else None
+            q_pos, kv_pos, q_seg, kv_seg = _rows(lengths, Tq, T, (idx - step) % G)
+            o_s, lse_s = cfg.kernel.fwd(q, block[0], block[1], q_pos, kv_pos, cfg.mask,
+                                        cfg.scale, q_seg, kv_seg)
+            o, lse = merge(o, lse, o_s, lse_s)
+            block = nxt
+        return o.astype(q.dtype)
+
+    def allgather(q, k, v, lengths):
+        k_all = lax.all_gather(k, axis, axis=1, tiled=True)
+        v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+        q_pos, kv_pos, q_seg, kv_seg = _rows(lengths, Tq, S, 0)
+        o, _ = cfg.kernel.fwd(q, k_all, v_all, q_pos, kv_pos, cfg.mask, cfg.scale, q_seg,
+                              kv_seg)
+        return o.astype(q.dtype)
+
+    fn = {"tree": tree, "ring": ring, "allgather": allgather}[strategy]
+    seq, rep = P(None, axis), P()
+    # The baselines' results are the same on every device, but they are built from
+    # device-varying values, so their replication cannot be checked by type.
+    smap = _compat.shard_map(fn, mesh=mesh, in_specs=(rep, seq, seq, rep), out_specs=rep,
+                             check_vma=strategy == "tree")
+
+    def run(q, k, v, lengths):
+        q, lengths = _compat.place(q, mesh, rep), _compat.place(lengths, mesh, rep)
+        k, v = _compat.place(k, mesh, seq), _compat.place(v, mesh, seq)
+        return smap(q, k, v, lengths)
+
+    return jax.jit(run)(q, k_cache, v_cache, lengths)
+
+
+def tree_decode(
+    q: Float[Array, "B Tq Hq D"],
+    k_cache: Float[Array, "B S Hkv D"],
+    v_cache: Float[Array, "B S Hkv D"],
+    *,
+    mesh: Mesh,
+    axis_name="sp",
+    kv_lengths: Optional[Int[Array, "B"]] = None,
+    causal: bool = False,
+    kernel="auto",
+    scale: Optional[float] = None,
+) -> Float[Array, "B Tq Hq D"]:
+    """Decode with Tree Attention: queries replicated, KV cache sharded along ``S``.
+
+    Differentiable (``custom_vjp``: dq is summed over the devices, dk/dv stay local).
+    ``axis_name`` may be a tuple of mesh axes: the reductions then span all of them.
+    """
+    return _decode("tree", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
+
+
+def ring_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", kv_lengths=None,
+                causal: bool = False, kernel="auto", scale: Optional[float] = None):
+    """Decode baseline: the cache slices circulate around the ring (G - 1 hops of K, V).
+
+    Same signature and result as ``tree_decode``; forward only.
+    """
+    return _decode("ring", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
+
+
+def allgather_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", kv_lengths=None,
+                     causal: bool = False, kernel="auto", scale: Optional[float] = None):
+    """Decode baseline: every device gathers the whole cache.  Same signature as
+    ``tree_decode``; forward only."""
+    return _decode("allgather", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
