@@ -61,3 +61,17 @@ def out_dir(default: str = "benchmarks/out") -> str:
 def save_json(obj, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
+
+
+def choose_preset(presets: dict, name=None):
+    """``(name, config)``: the named preset, else "gpu" on GPUs and "cpu" otherwise."""
+    name = name or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    return name, presets[name]
+
+
+def rel(a, b) -> float:
+    """``||a - b|| / ||b||`` in float32."""
+    import jax.numpy as jnp
+
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))

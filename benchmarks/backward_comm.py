@@ -16,10 +16,7 @@ import argparse
 import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _setup  # noqa: F401,E402  (before JAX: device count, sys.path)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,8 +27,7 @@ from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
 from jax_seqpar.parallel.ring import ring_shape  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import env_info, out_dir, progress, save_json, time_fn  # noqa: E402
+from _util import choose_preset, env_info, out_dir, progress, rel, save_json, time_fn  # noqa: E402
 
 PRESETS = {
     "cpu": dict(devices=[2, 4, 8], heads=[(8, 8), (8, 2)], seq=[512, 2048], head_dim=64,
@@ -40,10 +36,6 @@ PRESETS = {
                 dtype="bfloat16", block=2048, check_ref_max=8192, repeats=3),
 }
 
-
-def rel(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 def run(cfg, causal: bool):
@@ -140,8 +132,7 @@ def main():
                    help="default: gpu on GPUs, cpu otherwise")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="no")
     args = p.parse_args()
-    preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
-    cfg = PRESETS[preset]
+    preset, cfg = choose_preset(PRESETS, args.preset)
     info = env_info()
     print(f"# {info}")
     print(f"# preset {preset}: {cfg}")

@@ -17,11 +17,7 @@ import argparse
 import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _setup  # noqa: F401,E402  (before JAX: device count, sys.path)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import collective_bytes  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
-from _util import env_info, out_dir, save_json, time_fn  # noqa: E402
+from _util import choose_preset, env_info, out_dir, rel, save_json, time_fn  # noqa: E402
 
 PRESETS = {
     "cpu": dict(devices=8, contexts=[8192], batches=[1, 4], tq=[1, 4], heads=(8, 2),
@@ -42,17 +38,12 @@ PRESETS = {
 FNS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgather_decode}
 
 
-def rel(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     args = p.parse_args()
-    preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
-    cfg = PRESETS[preset]
+    preset, cfg = choose_preset(PRESETS, args.preset)
     G = min(cfg["devices"], jax.device_count())
     mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
     kernel = XlaKernel(block_q=512, block_k=cfg["block_k"])
