@@ -21,9 +21,10 @@ from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
 from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.ring import ring_attention_with_config
+from jax_seqpar.parallel.tree import tree_sequence_attention_with_config
 
-STRATEGIES = ("ring", "allgather")
-PLANNED_STRATEGIES = ("tree",)
+STRATEGIES = ("ring", "allgather", "tree")
+PLANNED_STRATEGIES = ()
 
 
 def _axis_tuple(axis_name) -> Tuple[str, ...]:
@@ -102,7 +103,10 @@ def attention(
     Args:
       q, k, v: ``[B, S, Hq, D]`` and ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``; one dtype.
       mesh, axis_name: the sequence axis is split into ``mesh.shape[axis_name]`` shards.
-      strategy: ``"ring"`` (K/V circulate, O(S/G) memory) or ``"allgather"`` (baseline).
+      strategy: ``"ring"`` (K/V circulate, O(S/G) memory), ``"allgather"`` (every device
+        gathers K/V: the baseline) or ``"tree"`` (every device gathers the queries, K/V stay
+        put, and the partial outputs are combined by Tree Attention's logsumexp reduction;
+        O(S) query memory per device -- see ``parallel.tree``).
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
@@ -119,7 +123,7 @@ def attention(
         for a model that permutes its tokens once, at the input.
       backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
         ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
-        see ``jax_seqpar.parallel.costs``).  Ignored by ``strategy="allgather"``.
+        see ``jax_seqpar.parallel.costs``).  Ignored by ``"allgather"`` and ``"tree"``.
       kernel: local tile backend (``"auto"``, ``"xla"``) or a kernel object.
       scale: score scale, default ``1 / sqrt(D)``.
 
@@ -157,7 +161,8 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
     """The jitted global program for one static configuration (cached, so repeated eager
     calls reuse the compiled executable instead of tracing a fresh closure each time)."""
     per_device = {"ring": ring_attention_with_config,
-                  "allgather": allgather_attention_with_config}[strategy]
+                  "allgather": allgather_attention_with_config,
+                  "tree": tree_sequence_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)
     fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,
                            in_specs=(seq,) * nargs, out_specs=seq)

@@ -26,7 +26,8 @@ from jax_seqpar.masks import BlockMask
 B, S, HQ, D = 2, 64, 4, 16
 GS = (1, 2, 4, 8)
 #: (strategy, backward): both ring backward schemes, and the all-gather baseline.
-VARIANTS = {"ring_kv": ("ring", "kv"), "ring_q": ("ring", "q"), "allgather": ("allgather", "auto")}
+VARIANTS = {"ring_kv": ("ring", "kv"), "ring_q": ("ring", "q"), "allgather": ("allgather", "auto"),
+            "tree": ("tree", "auto")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +116,7 @@ TARGETED = {
 #: Every axis runs the ring at every G (the two backward schemes alternating) and the
 #: all-gather baseline at two sizes; test_basic runs every variant at every G.
 TARGETED_RUNS = [(1, "ring_kv"), (2, "ring_q"), (4, "ring_kv"), (8, "ring_q"),
-                 (2, "allgather"), (8, "allgather")]
+                 (2, "allgather"), (8, "allgather"), (4, "tree"), (8, "tree")]
 
 
 @pytest.mark.parametrize("G,variant", TARGETED_RUNS)
@@ -156,8 +157,19 @@ def test_combined(case, G):
 
 
 @pytest.mark.parametrize("case", ["all_masks_gqa", "bf16_large"])
-def test_combined_allgather(case):
-    run(4, "allgather", **COMBINED[case])
+@pytest.mark.parametrize("strategy", ["allgather", "tree"])
+def test_combined_allgather_tree(case, strategy):
+    run(4, strategy, **COMBINED[case])
+
+
+@pytest.mark.parametrize("batch,G", [(1, 2), (3, 4), (3, 8)])
+def test_tree_batch_sizes(batch, G):
+    """``strategy="tree"`` at batch sizes 1 and 3 (GQA, causal, segments)."""
+    q, k, v = make_qkv(21, B=batch, S=S, Hq=HQ, Hkv=2, D=D)
+    do = make_cotangent(21, q.shape)
+    seg = sorted_segments(21, batch, S, num_docs=3)
+    out, grads = attention_fwd_bwd(cached_mesh(G), "tree", True, None)(q, k, v, do, seg)
+    check(out, grads, q, k, v, do, seg, causal=True, window=None)
 
 
 # --------------------------------------------------------- rows without visible keys
@@ -185,7 +197,7 @@ def test_ring_steps_with_no_visible_key(variant):
 
 
 @pytest.mark.parametrize("G,variant", [(4, "ring_q"), (4, "ring_kv"), (8, "ring_kv"),
-                                       (4, "allgather")])
+                                       (4, "allgather"), (8, "tree")])
 def test_rows_with_no_visible_key_block_mask(G, variant):
     """A block-sparse mask whose query block 3 sees no key block: those rows give out = 0,
     and nothing is NaN in the output or the gradients (vs the reference only: jax.nn
@@ -221,7 +233,8 @@ def test_rows_with_no_visible_key_block_mask(G, variant):
 # ----------------------------------------------------------------------------- meshes
 @pytest.mark.parametrize("kind,strategy", [
     ("explicit", "ring"), ("explicit", "allgather"), ("auto", "ring"), ("auto", "allgather"),
-    ("2d", "ring"), ("2d_both_axes", "ring"), ("2d_both_axes", "allgather")])
+    ("2d", "ring"), ("2d_both_axes", "ring"), ("2d_both_axes", "allgather"),
+    ("explicit", "tree"), ("2d_both_axes", "tree")])
 def test_mesh_kinds(kind, strategy):
     devs = jax.devices()
     if kind == "explicit":  # jax.make_mesh: AxisType.Explicit by default in JAX 0.10

@@ -107,3 +107,22 @@ def test_allgather_forward_bytes():
     rep = collective_bytes(
         lambda q, k, v: jsp.attention(q, k, v, mesh=mesh, strategy="allgather"), q, k, v)
     assert rep.bytes_by_kind() == {"all-gather": (G - 1) * 2 * B * (S // G) * Hkv * D * 4}
+
+
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_tree_strategy_bytes(G):
+    """``strategy="tree"``: the forward gathers the queries ((G-1) T Hq D per device), takes
+    one pmax of lse (an all-reduce of B Hq S floats) and reduce-scatters numerator and
+    denominator together (B S Hq (D+1) floats); nothing else moves."""
+    B, S, Hq, Hkv, D = 2, 64, 4, 2, 16
+    T = S // G
+    q, k, v = helpers.make_qkv(3, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D)
+    mesh = helpers.make_mesh(G)
+    rep = collective_bytes(
+        lambda q, k, v: jsp.attention(q, k, v, mesh=mesh, strategy="tree"), q, k, v)
+    assert rep.bytes_by_kind() == {
+        "all-gather": (G - 1) * B * T * Hq * D * 4,
+        "all-reduce": round(2 * (G - 1) / G * B * Hq * S * 4),
+        "reduce-scatter": round((G - 1) / G * B * S * Hq * (D + 1) * 4),
+    }
+    assert rep.count_by_kind() == {"all-gather": 1, "all-reduce": 1, "reduce-scatter": 1}

@@ -173,7 +173,6 @@ def test_axis_name_not_in_mesh(qkv, axis_name):
 # ---------------------------------------------------------------------- options
 @pytest.mark.parametrize("arg,value,exc,pattern", [
     ("strategy", "rings", ValueError, r"unknown strategy='rings'"),
-    ("strategy", "tree", NotImplementedError, r"strategy='tree'"),
     ("backward", "dq", ValueError, r"unknown backward='dq'"),
     ("layout", "blocked", ValueError, r"unknown layout='blocked'"),
     ("kernel", "cuda", ValueError, r"unknown kernel='cuda'"),

@@ -169,8 +169,9 @@ def test_layouts_bf16_both_backwards(layout, backward):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_allgather_layouts(layout):
-    _check(4, "allgather", layout, "kv", causal=True, window=(13, 0), with_seg=True)
+@pytest.mark.parametrize("strategy", ["allgather", "tree"])
+def test_allgather_and_tree_layouts(layout, strategy):
+    _check(4, strategy, layout, "kv", causal=True, window=(13, 0), with_seg=True)
 
 
 def _table(seed, nb, density=0.3, causal=False):

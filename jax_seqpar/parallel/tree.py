@@ -82,3 +82,92 @@ def _bwd(cfg, res, do):
 
 
 tree_attention.defvjp(_fwd, _bwd)
+
+
+# --------------------------------------------------------------------------------------
+# strategy="tree" for full self-attention: queries gathered, keys and values stay put.
+# --------------------------------------------------------------------------------------
+
+def tree_sequence_attention_with_config(cfg, q, k, v, segment_ids=None):
+    """Self-attention of a sequence sharded over ``cfg.axis_name`` by tree reduction.
+
+    Per device (inside ``shard_map``; ``q, k, v`` are this device's ``T = S / G`` tokens
+    in ``cfg.layout`` order):
+
+    1. ``all_gather`` the queries (and their segment ids): every device holds all ``S``;
+    2. attend all queries to the local key/value shard: partial ``(o, lse)`` ``[B, S, ...]``;
+    3. Alg. 3 lines 3-6, with the sum all-reduce replaced by its first half, a
+       ``psum_scatter``: each device receives the reduced numerator and denominator of its
+       own ``T`` queries only (an all-reduce is a reduce-scatter plus an all-gather, and
+       nobody needs the other devices' rows).
+
+    Memory: the gathered queries and the partial ``(o, lse)`` are ``O(S)`` per device
+    (``S * Hq * (2 D + 2)`` values, float32 for the partials), against ``O(S / G)`` for
+    ring attention.  Traffic per device: the query all-gather ``(G-1)/G * S Hq D`` elements,
+    a ``pmax`` of ``lse`` and the reduce-scatter of ``(D + 1)`` floats per query row, all
+    independent of how long the keys circulate -- there is no ring.  Prefer it when the
+    queries are few compared with the keys (decoding: ``tree_decode``) or when ``G`` is
+    small and the interconnect latency, not bandwidth, dominates; prefer ring for long
+    training sequences, where ``O(S)`` per-device buffers are what sharding avoids.
+    """
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _tree_seq(cfg, q, k, v, seg)
+
+
+def _gather(x, axis_name, axis):
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
+def _positions(cfg, T):
+    from jax_seqpar.layouts import shard_positions
+    G = lax.axis_size(cfg.axis_name)
+    idx = lax.axis_index(cfg.axis_name)
+    kv_pos = shard_positions(cfg.layout, idx, T, G, stripe=cfg.stripe)
+    q_pos = jnp.concatenate([shard_positions(cfg.layout, j, T, G, stripe=cfg.stripe)
+                             for j in range(G)])
+    return q_pos, kv_pos
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tree_seq(cfg, q, k, v, seg):
+    return _tree_seq_fwd(cfg, q, k, v, seg)[0]
+
+
+def _tree_seq_fwd(cfg, q, k, v, seg):
+    T = q.shape[1]
+    ax = cfg.axis_name
+    q_pos, kv_pos = _positions(cfg, T)
+    q_all = _gather(q, ax, 1)
+    seg_all = None if seg is None else _gather(seg, ax, 1)
+    o, lse = cfg.kernel.fwd(q_all, k, v, q_pos, kv_pos, cfg.mask, cfg.scale, seg_all, seg)
+    m = lax.pmax(lse, ax)                                  # [B, H, S], Alg. 3 line 3
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    d = jnp.exp(lse - m_safe)
+    d_rows = jnp.swapaxes(d, 1, 2)[..., None]              # [B, S, H, 1]
+    packed = jnp.concatenate([o * d_rows, d_rows], axis=-1)
+    packed = lax.psum_scatter(packed, ax, scatter_dimension=1, tiled=True)  # [B, T, H, D+1]
+    n_l, d_l = packed[..., :-1], packed[..., -1:]
+    o_l = (n_l / jnp.where(d_l > 0, d_l, 1.0)).astype(q.dtype)
+    idx = lax.axis_index(ax)
+    m_l = lax.dynamic_slice_in_dim(m_safe, idx * T, T, axis=2)
+    d_l = jnp.swapaxes(d_l[..., 0], 1, 2)                  # [B, H, T]
+    lse_l = jnp.where(d_l > 0, m_l + jnp.log(jnp.where(d_l > 0, d_l, 1.0)), -jnp.inf)
+    return o_l, (q, k, v, seg, o_l, lse_l)
+
+
+def _tree_seq_bwd(cfg, res, do):
+    q, k, v, seg, o, lse = res
+    T = q.shape[1]
+    ax = cfg.axis_name
+    q_pos, kv_pos = _positions(cfg, T)
+    delta = attention_delta(o, do)                         # [B, H, T], own rows
+    q_all, do_all = _gather(q, ax, 1), _gather(do, ax, 1)
+    lse_all, delta_all = _gather(lse, ax, 2), _gather(delta, ax, 2)
+    seg_all = None if seg is None else _gather(seg, ax, 1)
+    dq, dk, dv = cfg.kernel.bwd(q_all, k, v, None, lse_all, do_all, q_pos, kv_pos, cfg.mask,
+                                cfg.scale, seg_all, seg, delta=delta_all)
+    dq = lax.psum_scatter(dq, ax, scatter_dimension=1, tiled=True)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_tree_seq.defvjp(_tree_seq_fwd, _tree_seq_bwd)
