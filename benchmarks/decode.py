@@ -8,12 +8,14 @@ sent per device (compiled HLO) and the compiled program's device memory per devi
 (arguments + outputs + temporaries, from XLA's memory analysis); saves JSON.
 
     python benchmarks/decode.py                 # CPU, 8 simulated devices, small
-    python benchmarks/decode.py --preset gpu    # 4 H200s, 128k .. 2M tokens
+    python benchmarks/decode.py --preset gpu    # 1, 2 and 4 H200s, 128k .. 2M tokens
+    python benchmarks/decode.py --plot benchmarks/results/decode_gpu.json   # PNG only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -24,37 +26,25 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.comm import collective_bytes  # noqa: E402
+from jax_seqpar.comm import analyze_hlo  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from _util import choose_preset, env_info, out_dir, rel, save_json, time_fn  # noqa: E402
 
 PRESETS = {
-    "cpu": dict(devices=8, contexts=[8192], batches=[1, 4], tq=[1, 4], heads=(8, 2),
+    "cpu": dict(devices=[2, 8], contexts=[8192], batches=[1, 4], tq=[1, 4], heads=(8, 2),
                 head_dim=64, dtype="float32", block_k=2048, repeats=3, check_ctx=4096),
-    "gpu": dict(devices=4, contexts=[131072, 1048576, 2097152], batches=[1, 8], tq=[1, 4],
+    "gpu": dict(devices=[1, 2, 4], contexts=[131072, 1048576, 2097152], batches=[1, 8], tq=[1, 4],
                 heads=(32, 8), head_dim=128, dtype="bfloat16", block_k=8192, repeats=5,
-                check_ctx=16384, max_gather_bytes=40e9),
+                check_ctx=16384, max_gather_bytes=40e9, max_device_bytes=80e9),
 }
 FNS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgather_decode}
 
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    args = p.parse_args()
-    preset, cfg = choose_preset(PRESETS, args.preset)
-    G = min(cfg["devices"], jax.device_count())
-    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
-    kernel = XlaKernel(block_q=512, block_k=cfg["block_k"])
-    dt = jnp.dtype(cfg["dtype"])
+def check_against_reference(cfg, mesh, kernel, dt):
+    """Every strategy vs the dense reference at a small context, causal, ragged lengths."""
     Hq, Hkv = cfg["heads"]
     D = cfg["head_dim"]
-    tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
-    info = env_info()
-    print(f"# {info}\n# preset {preset}: {cfg}, G={G}")
-
-    # correctness against the dense reference at a small context, causal, ragged lengths
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
     S, B, Tq = cfg["check_ctx"], 2, 4
     q = jax.random.normal(ks[0], (B, Tq, Hq, D), dt)
@@ -65,16 +55,25 @@ def main():
     ref = jnp.concatenate([jsp.reference_attention(
         up(q[b:b + 1]), up(k[b:b + 1, :L]), up(v[b:b + 1, :L]), causal=True,
         q_pos=jnp.arange(L - Tq, L))[0] for b, L in enumerate(lengths)])
-    check = {}
-    for name, fn in FNS.items():
-        out = fn(q, k, v, mesh=mesh, kv_lengths=jnp.asarray(lengths), causal=True, kernel=kernel)
-        check[name] = rel(out, ref)
-    print("check vs reference:", {n: f"{e:.1e}" for n, e in check.items()})
-    del q, k, v, ref
+    return {name: rel(fn(q, k, v, mesh=mesh, kv_lengths=jnp.asarray(lengths), causal=True,
+                         kernel=kernel), ref)
+            for name, fn in FNS.items()}
 
+
+def measure(cfg, G, kernel, dt):
+    """Rows of (strategy, context, batch, tq) -> latency, bytes sent, memory, on G devices."""
+    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
+    Hq, Hkv = cfg["heads"]
+    D = cfg["head_dim"]
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
     rows = []
     for S in cfg["contexts"]:
         for B in cfg["batches"]:
+            cache_bytes = 2 * B * S * Hkv * D * dt.itemsize
+            if cache_bytes / G > cfg.get("max_device_bytes", 1 << 62):
+                print(f"G={G} S={S} B={B}: skipped, {cache_bytes / G / 1e9:.0f} GB of cache "
+                      f"per device")
+                continue
             # Made in place, sharded along the sequence: a 2M-token cache for B = 8 is
             # 34 GB per array, which one device cannot also hold while drawing it.
             sharded = NamedSharding(mesh, P(None, "sp"))
@@ -83,50 +82,129 @@ def main():
             kc, vc = draw(ks[1]), draw(ks[2])
             for Tq in cfg["tq"]:
                 q = jax.random.normal(ks[0], (B, Tq, Hq, D), dt)
-                outs = {}
+                outs, new = {}, []
                 for name, fn in FNS.items():
-                    gathered = 2 * B * S * Hkv * D * dt.itemsize
-                    if name == "allgather" and gathered > cfg.get("max_gather_bytes", 1 << 62):
+                    if name == "allgather" and cache_bytes > cfg.get("max_gather_bytes", 1 << 62):
                         # An out-of-memory error on one GPU leaves the others waiting in
                         # the collective for ever (seen on 4 H200s): skip, don't try.
-                        print(f"allgather S={S} B={B}: skipped, the gathered cache "
-                              f"({gathered / 1e9:.0f} GB) would not fit")
+                        print(f"allgather G={G} S={S} B={B}: skipped, the gathered cache "
+                              f"({cache_bytes / 1e9:.0f} GB) would not fit")
                         continue
                     f = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, mesh=mesh, causal=True,
                                                           kernel=kernel))
                     try:
-                        t = time_fn(f, q, kc, vc, repeats=cfg["repeats"])
-                        outs[name] = f(q, kc, vc)
-                        sent = collective_bytes(f, q, kc, vc).total_bytes
-                        mem = f.lower(q, kc, vc).compile().memory_analysis()
+                        compiled = f.lower(q, kc, vc).compile()  # once: time, HLO, memory
+                        t = time_fn(compiled, q, kc, vc, repeats=cfg["repeats"])
+                        outs[name] = compiled(q, kc, vc)
+                        sent = analyze_hlo(compiled.as_text(), G).total_bytes
+                        mem = compiled.memory_analysis()
                         peak = None if mem is None else (
                             mem.argument_size_in_bytes + mem.output_size_in_bytes
                             + mem.temp_size_in_bytes)
                     except Exception as e:  # e.g. out of memory for the all-gather
-                        print(f"{name} S={S} B={B} Tq={Tq}: {type(e).__name__}: "
+                        print(f"{name} G={G} S={S} B={B} Tq={Tq}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:120]}")
                         continue
-                    rows.append(dict(strategy=name, context=S, batch=B, tq=Tq,
-                                     time_s=t["median_s"], bytes_per_device=sent,
-                                     peak_bytes=peak))
-                    print(f"measured {rows[-1]}", flush=True)  # survives a later failure
-                agree = {n: rel(o, outs["tree"]) for n, o in outs.items() if n != "tree"}
-                for r in rows[-len(outs):]:
-                    r["rel_vs_tree"] = agree.get(r["strategy"], 0.0)
-                del q
+                    new.append(dict(devices=G, strategy=name, context=S, batch=B, tq=Tq,
+                                    time_s=t["median_s"], min_s=t["min_s"],
+                                    bytes_per_device=sent, peak_bytes=peak))
+                    print(f"measured {new[-1]}", flush=True)  # survives a later failure
+                for r in new:
+                    r["rel_vs_tree"] = (rel(outs[r["strategy"]], outs["tree"])
+                                        if "tree" in outs else None)
+                rows += new
+                del q, outs
             del kc, vc
-    print(f"{'S':>8} {'B':>2} {'Tq':>2} {'strategy':<10}{'ms':>9}{'vs tree':>9}"
+    return rows
+
+
+def table(rows):
+    print(f"{'G':>2} {'S':>8} {'B':>2} {'Tq':>2} {'strategy':<10}{'ms':>9}{'vs tree':>9}"
           f"{'MB sent':>10}{'peak GB':>9}{'diff':>9}")
     for r in rows:
-        tree = [x for x in rows if x["strategy"] == "tree" and x["context"] == r["context"]
-                and x["batch"] == r["batch"] and x["tq"] == r["tq"]][0]
+        tree = [x for x in rows if x["strategy"] == "tree" and all(
+            x[c] == r[c] for c in ("devices", "context", "batch", "tq"))]
+        ratio = f"{r['time_s'] / tree[0]['time_s']:.2f}" if tree else "-"
         peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.1f}"
-        print(f"{r['context']:>8} {r['batch']:>2} {r['tq']:>2} {r['strategy']:<10}"
-              f"{r['time_s'] * 1e3:>9.3f}{r['time_s'] / tree['time_s']:>9.2f}"
-              f"{r['bytes_per_device'] / 1e6:>10.3f}{peak:>9}{r['rel_vs_tree']:>9.1e}")
-    save_json({"env": info, "preset": preset, "config": cfg, "check": check, "rows": rows},
-              os.path.join(out_dir(), f"decode_{preset}.json"))
-    ok = all(e <= tol for e in check.values()) and all(r["rel_vs_tree"] <= tol for r in rows)
+        diff = "" if r["rel_vs_tree"] is None else f"{r['rel_vs_tree']:.1e}"
+        print(f"{r['devices']:>2} {r['context']:>8} {r['batch']:>2} {r['tq']:>2} "
+              f"{r['strategy']:<10}{r['time_s'] * 1e3:>9.3f}{ratio:>9}"
+              f"{r['bytes_per_device'] / 1e6:>10.3f}{peak:>9}{diff:>9}")
+
+
+def plot(rows, path):
+    """Latency vs context, one panel per (devices, batch), Tq = 1 solid, Tq = 4 dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no plot")
+        return
+    Gs = sorted({r["devices"] for r in rows})
+    Bs = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(Bs), len(Gs), figsize=(4 * len(Gs), 3.2 * len(Bs)),
+                             squeeze=False, sharey=True)
+    colors = {"tree": "C0", "ring": "C3", "allgather": "C2"}
+    for i, B in enumerate(Bs):
+        for j, G in enumerate(Gs):
+            ax = axes[i][j]
+            for name in FNS:
+                for Tq, style in ((1, "-o"), (4, "--s")):
+                    pts = sorted((r["context"], r["time_s"] * 1e3) for r in rows
+                                 if (r["strategy"], r["devices"], r["batch"], r["tq"])
+                                 == (name, G, B, Tq))
+                    if pts:
+                        ax.plot(*zip(*pts), style, color=colors[name], ms=4,
+                                label=f"{name} Tq={Tq}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{G} device(s), B={B}")
+            ax.set_xlabel("context (tokens)")
+            if j == 0:
+                ax.set_ylabel("latency (ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    p.add_argument("--devices", default=None,
+                   help="comma-separated device counts (default: the preset's)")
+    p.add_argument("--plot", default=None, metavar="JSON",
+                   help="only draw the PNG from a saved result file")
+    args = p.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            rows = json.load(f)["rows"]
+        table(rows)
+        plot(rows, os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    preset, cfg = choose_preset(PRESETS, args.preset)
+    counts = ([int(x) for x in args.devices.split(",")] if args.devices
+              else cfg["devices"])
+    counts = [G for G in counts if G <= jax.device_count()]
+    kernel = XlaKernel(block_q=512, block_k=cfg["block_k"])
+    dt = jnp.dtype(cfg["dtype"])
+    tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
+    info = env_info()
+    print(f"# {info}\n# preset {preset}: {cfg}, device counts {counts}")
+    G = max(counts)
+    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
+    check = check_against_reference(cfg, mesh, kernel, dt)
+    print("check vs reference:", {n: f"{e:.1e}" for n, e in check.items()}, flush=True)
+    rows = []
+    for G in sorted(counts, reverse=True):  # the acceptance numbers (most devices) first
+        rows += measure(cfg, G, kernel, dt)
+        save_json({"env": info, "preset": preset, "config": cfg, "check": check,
+                   "rows": rows}, os.path.join(out_dir(), f"decode_{preset}.json"))
+    table(rows)
+    plot(rows, os.path.join(out_dir(), f"decode_{preset}.png"))
+    ok = all(e <= tol for e in check.values()) and all(
+        r["rel_vs_tree"] is None or r["rel_vs_tree"] <= tol for r in rows)
     print("CHECKS:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
