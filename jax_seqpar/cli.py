@@ -1,4 +1,4 @@
-"""Command line: ``python -m jax_seqpar {info, demo}``.
+"""Command line: ``python -m jax_seqpar {info, demo, launch}``.
 
 ``demo`` runs ring and all-gather attention (causal, GQA, forward and backward) on all
 devices, checks them against the dense reference and prints a table.  On a machine with
@@ -128,7 +128,12 @@ def main(argv=None) -> int:
     pd.add_argument("--head-dim", type=int, default=64)
     pd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     pd.add_argument("--seed", type=int, default=0)
+    from jax_seqpar.launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "launch":
+        return args.func(args)
     return {"info": cmd_info, "demo": cmd_demo}[args.cmd](args)
 
 

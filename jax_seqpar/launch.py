@@ -1,0 +1,236 @@
+"""``python -m jax_seqpar launch``: run one command as N local processes of one JAX job.
+
+Each process gets the variables ``jax_seqpar.distributed.initialize()`` reads (the
+coordinator on 127.0.0.1 and a free port, the number of processes, its index) and, on
+request, its own set of simulated CPU devices (``XLA_FLAGS``) or GPUs
+(``CUDA_VISIBLE_DEVICES``).  The output of every process is streamed line by line with a
+``[p<i>]`` prefix.  If a process fails, the others are stopped and the launcher exits
+with the failed process's code; if ``--timeout`` passes, all are stopped and it exits 124.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence, TextIO
+
+from jax_seqpar.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+#: Exit code when ``--timeout`` passes (the code ``timeout(1)`` uses).
+TIMEOUT_EXIT = 124
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping processes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _with_device_count(xla_flags: str, n: int) -> str:
+    """``xla_flags`` with the simulated CPU device count set to ``n`` (replacing any)."""
+    kept = [f for f in xla_flags.split() if not f.startswith(_DEVICE_FLAG)]
+    return " ".join(kept + [f"{_DEVICE_FLAG}={n}"])
+
+
+def _gpu_ids(parent_visible: Optional[str], num_processes: int, per_process: int) -> List[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each process: consecutive groups of the visible GPUs."""
+    need = num_processes * per_process
+    if parent_visible:
+        visible = [g.strip() for g in parent_visible.split(",") if g.strip()]
+        if len(visible) < need:
+            raise ValueError(f"--gpus-per-process={per_process} x --num-processes="
+                             f"{num_processes} needs {need} GPUs but CUDA_VISIBLE_DEVICES="
+                             f"{parent_visible!r} lists {len(visible)}")
+    else:
+        visible = [str(i) for i in range(need)]
+    return [",".join(visible[i * per_process:(i + 1) * per_process])
+            for i in range(num_processes)]
+
+
+def process_envs(num_processes: int, port: int, *, devices_per_process: Optional[int] = None,
+                 gpus_per_process: Optional[int] = None, base: Optional[dict] = None):
+    """The environment of each process (a list of dicts, index = process id)."""
+    base = dict(os.environ if base is None else base)
+    gpus = (_gpu_ids(base.get("CUDA_VISIBLE_DEVICES"), num_processes, gpus_per_process)
+            if gpus_per_process else None)
+    envs = []
+    for i in range(num_processes):
+        env = dict(base)
+        env[ENV_COORDINATOR] = f"127.0.0.1:{port}"
+        env[ENV_NUM_PROCESSES] = str(num_processes)
+        env[ENV_PROCESS_ID] = str(i)
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
+        if devices_per_process:
+            env["XLA_FLAGS"] = _with_device_count(env.get("XLA_FLAGS", ""),
+                                                  devices_per_process)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        envs.append(env)
+    return envs
+
+
+class _Printer:
+    """Writes whole lines from several threads without interleaving them."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def line(self, stream: TextIO, text: str) -> None:
+        with self._lock:
+            stream.write(text if text.endswith("\n") else text + "\n")
+            stream.flush()
+
+
+def _pump(src, dst: TextIO, prefix: str, printer: _Printer) -> None:
+    for raw in iter(src.readline, b""):
+        printer.line(dst, prefix + raw.decode("utf-8", errors="replace"))
+    src.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every running process's group, then SIGKILL what is left after a grace."""
+    running = [p for p in procs if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in running:
+            try:
+                os.killpg(p.pid, sig)  # each child leads its own session (start_new_session)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _GRACE_S
+        while running and time.monotonic() < deadline:
+            running = [p for p in running if p.poll() is None]
+            time.sleep(0.05)
+        if not running:
+            return
+
+
+def _exit_code(returncode: int) -> int:
+    """A shell-style exit code: a process killed by signal ``s`` gives 128 + s."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launch(command: Sequence[str], num_processes: int, *,
+           devices_per_process: Optional[int] = None, gpus_per_process: Optional[int] = None,
+           timeout: Optional[float] = None, port: Optional[int] = None,
+           stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
+    """Run ``command`` as ``num_processes`` processes of one job; return the exit code.
+
+    0 if every process exits 0.  Otherwise the code of the first process seen failing
+    (the others are stopped), or ``TIMEOUT_EXIT`` if ``timeout`` seconds pass first.
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("no command to launch: give it after '--', e.g. "
+                         "python -m jax_seqpar launch --num-processes 2 -- python train.py")
+    for name, value in (("num_processes", num_processes),
+                        ("devices_per_process", devices_per_process),
+                        ("gpus_per_process", gpus_per_process)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+        raise ValueError(f"port={port!r} must be in 1..65535")
+    port = port or free_port()
+    envs = process_envs(num_processes, port, devices_per_process=devices_per_process,
+                        gpus_per_process=gpus_per_process)
+    printer = _Printer()
+    note = lambda text: printer.line(stderr, f"[launch] {text}")  # noqa: E731
+    note(f"{num_processes} processes, coordinator 127.0.0.1:{port}: {shlex.join(command)}")
+
+    procs: List[subprocess.Popen] = []
+    pumps: List[threading.Thread] = []
+    try:
+        for i, env in enumerate(envs):
+            try:
+                p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+            except OSError as e:
+                note(f"could not start process {i}: {e}")
+                _stop(procs)
+                return 127
+            procs.append(p)
+            for src, dst in ((p.stdout, stdout), (p.stderr, stderr)):
+                t = threading.Thread(target=_pump, args=(src, dst, f"[p{i}] ", printer),
+                                     daemon=True)
+                t.start()
+                pumps.append(t)
+        code = _watch(procs, timeout, note)
+    except KeyboardInterrupt:
+        note("interrupted; stopping all processes")
+        _stop(procs)
+        code = 130
+    for t in pumps:
+        t.join(timeout=_GRACE_S)
+    return code
+
+
+def _watch(procs, timeout, note) -> int:
+    start = time.monotonic()
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, c = failed[0]
+            others = [j for j, cj in enumerate(codes) if cj is None]
+            note(f"process {i} failed with exit code {_exit_code(c)}"
+                 + (f"; stopping process{'es' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))}" if others else ""))
+            _stop(procs)
+            return _exit_code(c)
+        if all(c == 0 for c in codes):
+            return 0
+        if timeout is not None and time.monotonic() - start > timeout:
+            running = [str(i) for i, c in enumerate(codes) if c is None]
+            note(f"timeout: {timeout:g} s passed with process{'es' if len(running) > 1 else ''} "
+                 f"{', '.join(running)} still running; stopping all")
+            _stop(procs)
+            return TIMEOUT_EXIT
+        time.sleep(0.05)
+
+
+def add_parser(sub) -> None:
+    """The ``launch`` subcommand of ``python -m jax_seqpar``."""
+    p = sub.add_parser(
+        "launch", help="run a command as N local processes of one JAX job",
+        description=__doc__.splitlines()[0].split(": ", 1)[1],
+        epilog="example: python -m jax_seqpar launch --num-processes 2 "
+               "--devices-per-process 4 -- python -m jax_seqpar demo")
+    p.add_argument("--num-processes", "-n", type=int, required=True,
+                   help="number of processes to start")
+    p.add_argument("--devices-per-process", type=int, default=None,
+                   help="simulated CPU devices per process (sets XLA_FLAGS)")
+    p.add_argument("--gpus-per-process", type=int, default=None,
+                   help="GPUs per process: process i sees GPUs i*K..i*K+K-1 of the visible "
+                        "ones (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds after which all processes are stopped (exit code 124)")
+    p.add_argument("--port", type=int, default=None,
+                   help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("command", nargs="*", help="the command each process runs, after '--'")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args) -> int:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        return launch(command, args.num_processes, devices_per_process=args.devices_per_process,
+                      gpus_per_process=args.gpus_per_process, timeout=args.timeout,
+                      port=args.port)
+    except ValueError as e:
+        print(f"python -m jax_seqpar launch: error: {e}", file=sys.stderr)
+        return 2
+

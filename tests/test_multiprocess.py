@@ -1,0 +1,262 @@
+"""Several processes, one mesh: ``python -m jax_seqpar launch`` and
+``jax_seqpar.distributed``.
+
+The multi-process runs start 2 local processes x 4 simulated CPU devices (gloo
+collectives) through the launcher; the workers (``mp_worker_*.py``) gather their results
+to process 0, which writes them to an .npz file.  This test process then runs the same
+worker code on its own 8 devices and compares, and compares both with a dense oracle.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mp_worker_attention as att_worker
+import mp_worker_train as train_worker
+from helpers import assert_close, make_mesh, reference_fwd_bwd, rel_err
+from jax_seqpar import distributed as jd
+from jax_seqpar.launch import TIMEOUT_EXIT, _with_device_count, launch, process_envs
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+F32_TOL = 1e-5
+#: Variables that would make the workers see a cluster that is not there.
+_CLUSTER_VARS = ("SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "PMIX_SERVER_URI2",
+                 "JAX_COORDINATOR_ADDRESS", jd.ENV_COORDINATOR, jd.ENV_NUM_PROCESSES,
+                 jd.ENV_PROCESS_ID)
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_launcher(*args, timeout=120):
+    """``python -m jax_seqpar launch ARGS`` in a subprocess: ``(returncode, stdout, stderr)``."""
+    r = subprocess.run([sys.executable, "-m", "jax_seqpar", "launch", *map(str, args)],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+def launch_worker(script, out, *, timeout=100):
+    code, out_text, err_text = run_launcher(
+        "--num-processes", 2, "--devices-per-process", 4, "--timeout", timeout, "--",
+        sys.executable, TESTS / script, out, timeout=timeout + 20)
+    assert code == 0, f"launch exited {code}\n{out_text}\n{err_text}"
+    for p in (0, 1):  # both processes joined one job of 8 devices
+        assert f"[p{p}] process {p} of 2: 4 of 8 cpu devices" in out_text, out_text
+    return dict(np.load(out))
+
+
+def _report(rows):
+    """Print the measured differences (seen with ``pytest -s``)."""
+    for name, mp_vs_sp, mp_vs_ref in rows:
+        print(f"{name:<32} 2 processes vs 1: max |diff| {mp_vs_sp[0]:.2e}, rel {mp_vs_sp[1]:.2e}"
+              f"; vs dense oracle: rel {mp_vs_ref:.2e}")
+
+
+def _diff(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), rel_err(a, b)
+
+
+# --------------------------------------------------------------------------- attention
+def test_ring_attention_two_processes_equals_one(tmp_path):
+    """Ring attention (plain, causal contiguous, causal zigzag; both backwards) across
+    2 processes x 4 devices: outputs and gradients equal one process on 8 devices and
+    the dense reference."""
+    mp = launch_worker("mp_worker_attention.py", tmp_path / "att.npz")
+    assert int(mp["process_count"]) == 2 and int(mp["device_count"]) == 8
+    sp = att_worker.run(make_mesh(8))
+    q, k, v, do = map(jnp.asarray, att_worker.host_inputs())
+    rows = []
+    for name, case in att_worker.CASES.items():
+        assert not mp[f"{name}/fully_addressable"], "the outputs never spanned processes"
+        ro, _, rgrads = reference_fwd_bwd(q, k, v, do, causal=case["causal"])
+        for what, ref in zip(att_worker.OUTPUTS, (ro, *rgrads)):
+            key = f"{name}/{what}"
+            assert_close(mp[key], sp[key], F32_TOL, f"{key}: 2 processes vs 1")
+            assert_close(mp[key], ref, F32_TOL, f"{key}: 2 processes vs reference")
+            rows.append((key, _diff(mp[key], sp[key]), rel_err(mp[key], ref)))
+    _report(rows)
+
+
+# --------------------------------------------------------------------------- training
+def _dense_step():
+    """The worker's training step on one device with jax.nn attention (no sharding)."""
+    params = jax.tree.map(jnp.asarray, train_worker.host_params())
+    tokens, targets = map(jnp.asarray, train_worker.host_batch())
+    dev = jax.devices()[0]
+    params, tokens, targets = jax.device_put((params, tokens, targets), dev)
+    opt_state = train_worker.optimizer().init(params)
+    new, _, loss, grads = train_worker.train_step(None)(params, opt_state, tokens, targets)
+    return {"loss": np.asarray(loss),
+            **{f"params/{k}": np.asarray(x) for k, x in new.items()},
+            **{f"grads/{k}": np.asarray(x) for k, x in grads.items()}}
+
+
+def test_training_step_two_processes_equals_one(tmp_path):
+    """One AdamW step of a small attention model (ring, causal, zigzag) across 2 processes
+    x 4 devices: loss, gradients and updated parameters equal one process on 8 devices
+    and a dense single-device step."""
+    mp = launch_worker("mp_worker_train.py", tmp_path / "train.npz")
+    assert int(mp["process_count"]) == 2 and not mp["tokens_fully_addressable"]
+    sp = train_worker.run(make_mesh(8))
+    dense = _dense_step()
+    keys = ["loss"] + sorted(k for k in sp if k.startswith(("params/", "grads/")))
+    assert len(keys) == 13
+    rows = []
+    for key in keys:
+        assert_close(mp[key], sp[key], F32_TOL, f"{key}: 2 processes vs 1")
+        assert_close(mp[key], dense[key], F32_TOL, f"{key}: 2 processes vs dense")
+        rows.append((key, _diff(mp[key], sp[key]), rel_err(mp[key], dense[key])))
+    # the step moved the parameters: the comparison above is not of the initial values
+    start = train_worker.host_params()
+    assert all(np.abs(mp[f"params/{k}"] - start[k]).max() > 1e-3 for k in start)
+    _report(rows)
+
+
+# --------------------------------------------------------------------------- launcher
+_CHILD = ("import os, sys, time; p = int(os.environ['JAX_SEQPAR_PROCESS_ID']); "
+          "print('hello from', p, 'of', os.environ['JAX_SEQPAR_NUM_PROCESSES'], "
+          "os.environ['JAX_SEQPAR_COORDINATOR'], os.environ.get('XLA_FLAGS', ''), flush=True); ")
+
+
+def test_launch_prefixes_output_and_sets_environment():
+    code, out, err = run_launcher("-n", 3, "--devices-per-process", 2, "--",
+                                  sys.executable, "-c",
+                                  _CHILD + "print('to stderr', p, file=sys.stderr)", timeout=60)
+    assert code == 0, out + err
+    lines = out.splitlines()
+    coordinators = set()
+    for p in range(3):
+        (line,) = [ln for ln in lines if ln.startswith(f"[p{p}] hello from {p} of 3 ")]
+        coordinators.add(line.split()[6])
+        assert line.count("--xla_force_host_platform_device_count") == 1
+        assert line.endswith("--xla_force_host_platform_device_count=2"), line
+        assert f"[p{p}] to stderr {p}" in err.splitlines()
+    assert len(coordinators) == 1 and coordinators.pop().startswith("127.0.0.1:")
+
+
+def test_launch_fails_loudly_when_a_process_fails():
+    """Process 1 exits 3 while process 0 would sleep for a minute: the launcher stops
+    process 0 at once, exits 3 and names process 1."""
+    t0 = time.monotonic()
+    code, out, err = run_launcher(
+        "-n", 2, "--", sys.executable, "-c",
+        _CHILD + "sys.exit(3) if p == 1 else time.sleep(60)", timeout=60)
+    assert code == 3, out + err
+    assert "process 1 failed with exit code 3" in err, err
+    assert "[p0] hello from 0" in out and "[p1] hello from 1" in out
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_timeout_stops_every_process():
+    t0 = time.monotonic()
+    code, out, err = run_launcher("-n", 2, "--timeout", 2, "--", sys.executable, "-c",
+                                  _CHILD + "time.sleep(60)", timeout=60)
+    assert code == TIMEOUT_EXIT, out + err
+    assert "timeout: 2 s passed with processes 0, 1 still running" in err, err
+    assert time.monotonic() - t0 < 30
+
+
+def test_launch_in_process_api_and_argument_errors():
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([sys.executable, "-c", "print('x')"], 2, stdout=out, stderr=err) == 0
+    assert sorted(out.getvalue().splitlines()) == ["[p0] x", "[p1] x"]
+    with pytest.raises(ValueError, match="no command to launch"):
+        launch([], 2)
+    with pytest.raises(ValueError, match="num_processes=0"):
+        launch(["true"], 0)
+    with pytest.raises(ValueError, match="timeout=-1"):
+        launch(["true"], 2, timeout=-1)
+    code, _, err_text = run_launcher("-n", 2, timeout=60)
+    assert code == 2 and "no command to launch" in err_text
+
+
+def test_process_envs_devices_and_gpus():
+    envs = process_envs(2, 1234, devices_per_process=4, gpus_per_process=2,
+                        base={"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8",
+                              "CUDA_VISIBLE_DEVICES": "3,4,5,6,7"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,4", "5,6"]
+    assert envs[1]["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=4"
+    assert [e[jd.ENV_PROCESS_ID] for e in envs] == ["0", "1"]
+    assert envs[0][jd.ENV_COORDINATOR] == "127.0.0.1:1234"
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in process_envs(2, 1, gpus_per_process=1,
+                                                            base={})] == ["0", "1"]
+    with pytest.raises(ValueError, match="needs 4 GPUs but CUDA_VISIBLE_DEVICES='0,1'"):
+        process_envs(2, 1, gpus_per_process=2, base={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert _with_device_count("", 3) == "--xla_force_host_platform_device_count=3"
+
+
+# --------------------------------------------------------------------------- initialize
+@pytest.fixture
+def no_cluster(monkeypatch):
+    for name in _CLUSTER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_initialize_single_process_without_settings(no_cluster):
+    info = jd.initialize()
+    assert (info.process_index, info.process_count) == (0, 1)
+    assert info.device_count == info.local_device_count == len(jax.devices())
+    assert info.source == "single process" and info.is_main
+    assert jd.initialize() == info  # idempotent
+    no_cluster.setenv(jd.ENV_NUM_PROCESSES, "1")  # a launch of one process needs nothing
+    no_cluster.setenv(jd.ENV_PROCESS_ID, "0")
+    no_cluster.setenv(jd.ENV_COORDINATOR, "127.0.0.1:1")
+    assert jd.initialize().process_count == 1
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(coordinator_address="10.0.0.1"), ValueError, "coordinator_address='10.0.0.1'"),
+    (dict(coordinator_address="h:99999"), ValueError, "the port must be in"),
+    (dict(num_processes=0), ValueError, "num_processes=0 must be >= 1"),
+    (dict(num_processes="2"), TypeError, "num_processes='2' must be an int"),
+    (dict(process_id=-1), ValueError, "process_id=-1 must be >= 0"),
+    (dict(num_processes=2, process_id=2), ValueError, "process_id=2 must be < num_processes=2"),
+    (dict(local_device_ids=[0, 0]), ValueError, "local_device_ids=.* repeated"),
+    (dict(local_device_ids="0"), ValueError, "local_device_ids"),
+    (dict(cpu_collectives="nccl"), ValueError, "cpu_collectives='nccl'"),
+])
+def test_initialize_argument_errors(no_cluster, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jd.initialize(**kwargs)
+
+
+def test_initialize_environment_errors(no_cluster):
+    no_cluster.setenv(jd.ENV_NUM_PROCESSES, "two")
+    with pytest.raises(ValueError, match="JAX_SEQPAR_NUM_PROCESSES='two' must be an integer"):
+        jd.initialize()
+    no_cluster.setenv(jd.ENV_NUM_PROCESSES, "2")
+    with pytest.raises(ValueError, match="JAX_SEQPAR_COORDINATOR, JAX_SEQPAR_PROCESS_ID not set"):
+        jd.initialize()
+    no_cluster.setenv(jd.ENV_PROCESS_ID, "0")
+    no_cluster.setenv(jd.ENV_COORDINATOR, "127.0.0.1:1")
+    # a job of 2 processes, but JAX's backends already run in this process
+    with pytest.raises(RuntimeError, match="must run before JAX starts its backends"):
+        jd.initialize()
+
+
+def test_from_host_and_to_host_single_process():
+    mesh = make_mesh(8)
+    x = np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3)
+    g = jd.from_host(x, mesh, jax.sharding.PartitionSpec(None, "sp"))
+    assert g.sharding.spec == jax.sharding.PartitionSpec(None, "sp")
+    assert len(g.addressable_shards) == 8 and g.addressable_shards[1].data.shape == (2, 2, 3)
+    np.testing.assert_array_equal(jd.to_host(g), x)
+    part = jd.from_process_local(x, mesh, jax.sharding.PartitionSpec(None, "sp"))
+    np.testing.assert_array_equal(jd.to_host(part), x)
+    with pytest.raises(TypeError, match="spec="):
+        jd.from_host(x, mesh, "sp")
