@@ -15,10 +15,12 @@ import time
 
 
 def _simulate_cpu_devices(n: int) -> None:
-    """Ask for ``n`` host devices (only affects the CPU platform; GPUs are used as they are)."""
+    """Ask for ``n`` host devices (only affects the CPU platform; GPUs are used as they are),
+    unless ``XLA_FLAGS`` already asks for a number."""
     flag = f"--xla_force_host_platform_device_count={n}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return  # set by the user or by `launch --devices-per-process`: keep it
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     import jax
 
     try:
@@ -27,8 +29,17 @@ def _simulate_cpu_devices(n: int) -> None:
         pass
 
 
+def _join_processes():
+    """``jax_seqpar.distributed.initialize()``: a no-op unless started by ``launch`` or a
+    cluster scheduler; must run before JAX starts its backends."""
+    from jax_seqpar.distributed import initialize
+
+    return initialize()
+
+
 def cmd_info(args) -> int:
     _simulate_cpu_devices(args.cpu_devices)
+    proc = _join_processes()
     import jax
 
     import jax_seqpar
@@ -38,10 +49,14 @@ def cmd_info(args) -> int:
     print(f"jax_seqpar {jax_seqpar.__version__}")
     print(f"jax {jax.__version__}, jaxlib {getattr(jax.lib, '__version__', '?')}")
     print(f"default backend: {jax.default_backend()}")
+    if proc.process_count > 1:
+        print(f"process {proc.process_index} of {proc.process_count}, "
+              f"{proc.local_device_count} local devices")
     devs = jax.devices()
     print(f"devices ({len(devs)}):")
     for d in devs:
-        print(f"  {d.id}: {d.device_kind} ({d.platform})")
+        where = f", process {d.process_index}" if proc.process_count > 1 else ""
+        print(f"  {d.id}: {d.device_kind} ({d.platform}{where})")
     print(f"kernel backends: {', '.join(available_kernels())}"
           f" (planned: {', '.join(PLANNED_KERNELS)})")
     return 0
@@ -57,11 +72,17 @@ def _rel(a, b) -> float:
 
 def cmd_demo(args) -> int:
     _simulate_cpu_devices(8)
+    proc = _join_processes()
     import jax
     import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
 
     import jax_seqpar as jsp
     from jax_seqpar.comm import collective_bytes
+    from jax_seqpar.distributed import from_host, to_host
+
+    multi = proc.process_count > 1  # every process runs all of this; process 0 reports
+    say = print if proc.is_main else (lambda *a, **k: None)
 
     devs = jax.devices()
     G = len(devs)
@@ -75,16 +96,21 @@ def cmd_demo(args) -> int:
     k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
     v = jax.random.normal(ks[2], (B, S, Hkv, D), dtype)
     do = jax.random.normal(ks[3], (B, S, Hq, D), dtype)
-    print(f"{G} x {devs[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-          f"causal GQA attention B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} {dtype.name}, "
-          f"forward + backward")
+    where = f" in {proc.process_count} processes" if multi else ""
+    say(f"{G} x {devs[0].device_kind} ({jax.default_backend()}){where}, jax {jax.__version__}; "
+        f"causal GQA attention B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} {dtype.name}, "
+        f"forward + backward")
 
     def ref_fn(q, k, v):
         return jsp.reference_attention(q, k, v, causal=True)[0]
 
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref_out, ref_vjp = jax.vjp(ref_fn, up(q), up(k), up(v))
-    ref_grads = ref_vjp(up(do))
+    if proc.is_main:  # the dense reference, on this process's first device
+        ref_out, ref_vjp = jax.vjp(ref_fn, up(q), up(k), up(v))
+        ref_grads = ref_vjp(up(do))
+    inputs = (q, k, v, do)
+    if multi:  # the same values on every process become one array over all processes
+        inputs = from_host(inputs, mesh, P(None, "sp"))
     ok = True
     rows = []
     for strategy in ("ring", "allgather"):
@@ -94,14 +120,20 @@ def cmd_demo(args) -> int:
             return out, vjp(do)
 
         fn = jax.jit(step)
-        jax.block_until_ready(fn(q, k, v, do))  # compile + warm up
+        jax.block_until_ready(fn(*inputs))  # compile + warm up
         t0 = time.perf_counter()
-        out, grads = jax.block_until_ready(fn(q, k, v, do))
+        out, grads = jax.block_until_ready(fn(*inputs))
         dt = time.perf_counter() - t0
-        comm = collective_bytes(fn, q, k, v, do)
+        comm = collective_bytes(fn, *inputs)
+        if multi:
+            out, grads = to_host((out, grads))  # a collective: every process takes part
+        if not proc.is_main:
+            continue
         errs = [_rel(out, ref_out)] + [_rel(g, r) for g, r in zip(grads, ref_grads)]
         ok &= all(e <= budget for e in errs)
         rows.append((strategy, G, S, *errs, dt, comm.total_bytes))
+    if not proc.is_main:
+        return 0
     head = ("strategy", "devices", "tokens", "err out", "err dq", "err dk", "err dv",
             "time (s)", "sent/device")
     print(("{:<10}{:>8}{:>8}" + "{:>10}" * 4 + "{:>10}{:>14}").format(*head))

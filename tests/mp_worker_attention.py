@@ -74,6 +74,12 @@ def main(out_path: str) -> int:
 
     info = jd.initialize()  # before anything asks JAX for devices
     assert jd.initialize() == info, "a second initialize() must return the same info"
+    try:
+        jd.initialize(num_processes=info.process_count + 1)
+    except RuntimeError as e:
+        assert "already called with other settings: num_processes=" in str(e), e
+    else:
+        raise AssertionError("initialize() with contradicting settings did not raise")
     import jax
 
     print(info, flush=True)
