@@ -65,7 +65,7 @@ class ProcessInfo:
                 f"(settings from {self.source})")
 
 
-_STATE: dict = {}  # "requested": the resolved settings of the first successful call
+_STATE: dict = {}  # "settings", "source": what the first successful call settled on
 
 
 # --------------------------------------------------------------------------- validation
@@ -216,33 +216,26 @@ def initialize(coordinator_address: Optional[str] = None,
     settings, source = _resolve(coordinator_address, num_processes, process_id)
     requested = dict(settings, local_device_ids=device_ids)
 
-    if jax.distributed.is_initialized():
-        first = _STATE.get("requested")
+    first = _STATE.get("settings")
+    if first is not None or jax.distributed.is_initialized():  # a second call
         if first is not None:
             clash = [f"{k}={v!r} (first call: {first[k]!r})" for k, v in requested.items()
                      if v is not None and first[k] is not None and v != first[k]]
             if clash:
                 raise RuntimeError("jax_seqpar.distributed.initialize() was already called "
                                    "with other settings: " + ", ".join(clash))
-        return process_info(source="already initialized" if first is None else
-                            _STATE["source"])
+        return process_info(source=_STATE.get("source", "already initialized"))
 
     if source is None:  # nothing given: a cluster JAX knows, or a single process
         cluster = _detected_cluster()
-        coordinator_env = os.environ.get("JAX_COORDINATOR_ADDRESS")
-        if coordinator_env:
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
             source = "JAX_COORDINATOR_ADDRESS"
         elif cluster is not None and cluster[1] != 1:
             source = f"cluster ({cluster[0]})"
-        elif cluster_detection_method in (None, "deactivate"):
-            _STATE.update(requested=requested, source="single process")
-            return process_info(source="single process")
-        else:
+        elif cluster_detection_method not in (None, "deactivate"):
             source = f"cluster ({cluster_detection_method})"
-
-    if settings["num_processes"] == 1 and source != "arguments":
-        _STATE.update(requested=requested, source=source)
-        return process_info(source=source)
+    if source is None or (settings["num_processes"] == 1 and source != "arguments"):
+        return _remember(requested, source or "single process", single=True)
 
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -255,7 +248,7 @@ def initialize(coordinator_address: Optional[str] = None,
             cluster_detection_method=cluster_detection_method,
             initialization_timeout=initialization_timeout)
     except RuntimeError as e:
-        if "before any JAX calls" in str(e) or "must be called before" in str(e):
+        if "must be called before" in str(e):
             raise RuntimeError(
                 "jax_seqpar.distributed.initialize() must run before JAX starts its "
                 "backends: call it at the top of the script, before jax.devices(), "
@@ -265,14 +258,28 @@ def initialize(coordinator_address: Optional[str] = None,
         raise ValueError(f"jax.distributed.initialize could not find its settings ({e}); "
                          f"pass coordinator_address, num_processes and process_id, or start "
                          f"the processes with python -m jax_seqpar launch") from e
-    _STATE.update(requested=requested, source=source)
-    return process_info(source=source)
+    return _remember(requested, source, single=False)
+
+
+def _remember(requested: dict, source: str, *, single: bool) -> ProcessInfo:
+    """Record what the first call settled on (later calls are checked against it)."""
+    info = process_info(source=source)
+    settled = dict(requested, num_processes=info.process_count, process_id=info.process_index)
+    if not single:
+        settled["coordinator_address"] = info.coordinator_address
+    _STATE.update(settings=settled, source=source)
+    return info
 
 
 def process_info(source: Optional[str] = None) -> ProcessInfo:
     """This process's ``ProcessInfo`` (starts JAX's backends if they have not started)."""
-    from jax._src import distributed as _dist  # the coordinator address JAX connected to
-
+    coordinator = None
+    if jax.distributed.is_initialized():
+        try:  # the address JAX connected to (not public API)
+            from jax._src.distributed import global_state
+            coordinator = global_state.coordinator_address
+        except (ImportError, AttributeError):  # pragma: no cover - JAX reorganised
+            pass
     devices = jax.devices()
     return ProcessInfo(
         process_index=jax.process_index(),
@@ -280,8 +287,7 @@ def process_info(source: Optional[str] = None) -> ProcessInfo:
         local_device_count=jax.local_device_count(),
         device_count=len(devices),
         platform=devices[0].platform,
-        coordinator_address=getattr(_dist.global_state, "coordinator_address", None)
-        if jax.distributed.is_initialized() else None,
+        coordinator_address=coordinator,
         source=source or _STATE.get("source", "single process"))
 
 

@@ -217,8 +217,10 @@ def test_process_envs_devices_and_gpus():
 # --------------------------------------------------------------------------- initialize
 @pytest.fixture
 def no_cluster(monkeypatch):
+    """No cluster variables, and no earlier initialize() call in this process."""
     for name in _CLUSTER_VARS:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jd, "_STATE", {})
     return monkeypatch
 
 
@@ -228,10 +230,15 @@ def test_initialize_single_process_without_settings(no_cluster):
     assert info.device_count == info.local_device_count == len(jax.devices())
     assert info.source == "single process" and info.is_main
     assert jd.initialize() == info  # idempotent
+    with pytest.raises(RuntimeError, match="already called with other settings: "
+                                           "num_processes=2 \\(first call: 1\\)"):
+        jd.initialize(num_processes=2)
+    no_cluster.setattr(jd, "_STATE", {})
     no_cluster.setenv(jd.ENV_NUM_PROCESSES, "1")  # a launch of one process needs nothing
     no_cluster.setenv(jd.ENV_PROCESS_ID, "0")
     no_cluster.setenv(jd.ENV_COORDINATOR, "127.0.0.1:1")
-    assert jd.initialize().process_count == 1
+    info = jd.initialize()
+    assert info.process_count == 1 and info.source == "jax_seqpar launch"
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
