@@ -118,6 +118,15 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class _Terminated(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _terminated(signum, frame):
+    del signum, frame
+    raise _Terminated
+
+
 def launch(command: Sequence[str], num_processes: int, *,
            devices_per_process: Optional[int] = None, gpus_per_process: Optional[int] = None,
            timeout: Optional[float] = None, port: Optional[int] = None,
@@ -150,6 +159,11 @@ def launch(command: Sequence[str], num_processes: int, *,
 
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
+    # The processes lead their own sessions (so that stopping one stops its children too),
+    # which also shields them from signals sent to the launcher: pass SIGTERM on.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         for i, env in enumerate(envs):
             try:
@@ -167,10 +181,13 @@ def launch(command: Sequence[str], num_processes: int, *,
                 t.start()
                 pumps.append(t)
         code = _watch(procs, timeout, note)
-    except KeyboardInterrupt:
-        note("interrupted; stopping all processes")
+    except (KeyboardInterrupt, _Terminated) as e:
+        code = 143 if isinstance(e, _Terminated) else 130
+        note(f"{'terminated' if code == 143 else 'interrupted'}; stopping all processes")
         _stop(procs)
-        code = 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for t in pumps:
         t.join(timeout=_GRACE_S)
     return code

@@ -185,6 +185,21 @@ def test_launch_timeout_stops_every_process():
     assert time.monotonic() - t0 < 30
 
 
+def test_launch_passes_sigterm_on():
+    """SIGTERM to the launcher stops its processes (they run in their own sessions)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jax_seqpar", "launch", "-n", "2", "--", sys.executable, "-c",
+         "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and "terminated; stopping all processes" in err, err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_launch_in_process_api_and_argument_errors():
     out, err = io.StringIO(), io.StringIO()
     assert launch([sys.executable, "-c", "print('x')"], 2, stdout=out, stderr=err) == 0
