@@ -21,6 +21,7 @@ from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
 from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.ring import ring_attention_with_config
+from jax_seqpar.parallel.selective import selective_ring_attention_with_config
 from jax_seqpar.parallel.tree import tree_sequence_attention_with_config
 
 STRATEGIES = ("ring", "allgather", "tree")
@@ -162,7 +163,9 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
     calls reuse the compiled executable instead of tracing a fresh closure each time)."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config,
-                  "tree": tree_sequence_attention_with_config}[strategy]
+                  "tree": tree_sequence_attention_with_config,
+                  # not a public strategy: jax_seqpar.remat.seq_selective_attention
+                  "ring_selective": selective_ring_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)
     fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,
                            in_specs=(seq,) * nargs, out_specs=seq)

@@ -16,6 +16,17 @@ from jax_seqpar.masks import MaskSpec, WindowArg
 AxisName = Union[str, Tuple[str, ...]]
 BACKWARDS = ("kv", "q", "auto")
 
+#: ``jax.ad_checkpoint.checkpoint_name`` tags of the attention residuals (the output, in the
+#: input dtype, and the float32 lse), so that a ``jax.checkpoint`` policy can save them and
+#: the backward of a rematerialised layer never re-runs the attention forward
+#: (DistFlashAttn §3.3; ``jax_seqpar.remat``).
+ATTN_OUT = "seqpar_attn_out"
+ATTN_LSE = "seqpar_attn_lse"
+#: ``jax.named_scope`` of the ring forward and backward: they show in profiles and in the
+#: compiled HLO's ``op_name`` metadata, where tests count how often the forward runs.
+FWD_SCOPE = "seqpar_ring_fwd"
+BWD_SCOPE = "seqpar_ring_bwd"
+
 
 @dataclasses.dataclass(frozen=True)
 class AttnConfig:

@@ -52,11 +52,13 @@ def _general(cfg, q_pos, kv_pos, nothing, compute):
     return lax.cond(pred, compute, nothing)
 
 
-def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same: bool):
+def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same: bool,
+             general: bool = False):
     """Float32 ``(o, lse)`` of this pair (``o = 0, lse = -inf`` where nothing is visible).
 
     ``q_dev`` / ``kv_dev`` are the (traced) devices owning the queries and keys; ``same``
-    says statically that they are one device.
+    says statically that they are one device.  ``general=True`` takes the bounds-checked
+    general path whatever the layout (for queries that are a subset of a shard's rows).
     """
     B, T, Hq, D = q.shape
 
@@ -67,7 +69,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
     def call(qs, ks, vs, qp, kp, qsg, ksg, mask):
         return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
 
-    if not _structured(cfg) or (same and T % 2):
+    if general or not _structured(cfg) or (same and T % 2):
         return _general(cfg, q_pos, kv_pos, empty,
                         lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
 

@@ -33,13 +33,15 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
-from jax_seqpar.parallel.common import AttnConfig, axis_size, make_config, ring_shift, send
+from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE, AttnConfig,
+                                        axis_size, make_config, ring_shift, send)
 from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
@@ -102,20 +104,30 @@ def _positions(cfg: AttnConfig, shard, T: int, G: int):
     return shard_positions(cfg.layout, shard, T, G, stripe=cfg.stripe)
 
 
-def _ring_forward(cfg: AttnConfig, q, k, v, seg):
-    """Returns float32 ``o`` ``[B, T, Hq, D]`` and ``lse`` ``[B, Hq, T]``."""
+@jax.named_scope(FWD_SCOPE)
+def _ring_forward(cfg: AttnConfig, q, k, v, seg, rows: Optional[slice] = None):
+    """Returns float32 ``o`` ``[B, T, Hq, D]`` and ``lse`` ``[B, Hq, T]``.
+
+    With ``rows``, only those query rows of the shard are computed (``o`` ``[B, n, Hq, D]``,
+    ``lse`` ``[B, Hq, n]``), through the bounds-checked general path of ``pairs.py``:
+    sequence-level selective checkpointing (``selective.py``) computes a shard's earlier
+    and later rows as separate values, so that a policy can keep only the later ones.
+    """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
-    q_pos = _positions(cfg, idx, T, G)
-    o = jnp.zeros((B, T, Hq, D), F32)
-    lse = jnp.full((B, Hq, T), -jnp.inf, F32)
+    q_pos, q_seg = _positions(cfg, idx, T, G), seg
+    if rows is not None:
+        q, q_pos, q_seg = q[:, rows], q_pos[rows], None if seg is None else seg[:, rows]
+    n_rows = q.shape[1]
+    o = jnp.zeros((B, n_rows, Hq, D), F32)
+    lse = jnp.full((B, Hq, n_rows), -jnp.inf, F32)
     o, lse = vary_like((o, lse), q, k, v)
 
     def visit(o, lse, block, src, same=False):
         kc, vc, sc = block
-        o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), seg, sc,
-                              idx, src, same=same)
+        o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), q_seg, sc,
+                              idx, src, same=same, general=rows is not None)
         return merge(o, lse, o_s, lse_s)
 
     o, lse = visit(o, lse, (k, v, seg), idx, same=True)
@@ -137,14 +149,17 @@ def _ring(cfg: AttnConfig, q, k, v, seg):
 
 def _ring_fwd(cfg, q, k, v, seg):
     o, lse = _ring_forward(cfg, q, k, v, seg)
-    o = o.astype(q.dtype)
+    # Named, so that a checkpoint policy can keep the residuals (jax_seqpar.remat).
+    o = checkpoint_name(o.astype(q.dtype), ATTN_OUT)
+    lse = checkpoint_name(lse, ATTN_LSE)
     return o, (q, k, v, seg, o, lse)
 
 
 def _ring_bwd(cfg, res, do):
     q, k, v, seg, o, lse = res
     bwd = {"kv": _backward_kv, "q": _backward_q}[cfg.backward]
-    dq, dk, dv = bwd(cfg, q, k, v, seg, o, lse, do)
+    with jax.named_scope(BWD_SCOPE):
+        dq, dk, dv = bwd(cfg, q, k, v, seg, o, lse, do)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
