@@ -1,0 +1,79 @@
+"""Flax Linen sequence-parallel self-attention.
+
+``SeqParallelAttention``: q/k/v projections (grouped-query: ``num_kv_heads`` may divide
+``num_heads``), RoPE at global token positions, exact attention with the sequence split
+over ``mesh[axis_name]`` (``jax_seqpar.attention``), output projection.  Parameters:
+``q_proj``, ``k_proj``, ``v_proj`` (``DenseGeneral`` kernels ``[d, H, D]``) and ``o_proj``
+(``[Hq, D, d]``), the same tree as the NNX module's (``layers/nnx.py``), so parameters
+move between them and to a single-device copy (``mesh=None``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jax_seqpar.layers.core import SeqParallelOptions
+from jax_seqpar.masks import WindowArg
+
+
+class SeqParallelAttention(nn.Module):
+    """Sequence-parallel multi-head self-attention (Linen).
+
+    Call with ``x`` ``[B, S, d]`` and optionally ``segment_ids`` ``[B, S]`` (packed
+    documents) and ``positions`` (``[S]`` or ``[B, S]`` ints, RoPE angles only), all in the
+    same row order.  With ``permuted=True`` that order is the ``layout``'s
+    (``layouts.permute_sequence``): RoPE then uses each row's global position and no
+    token moves; with ``permuted=False`` rows are in natural order and the library
+    permutes on the way in and out.  ``mesh=None``: plain single-device attention.
+    ``rope_theta=None`` turns RoPE off.  ``seq_selective=True``: compute attention so
+    that ``jax_seqpar.remat.seq_selective_policy`` can keep the later half of each shard
+    (BurstEngine §3.2).
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: Optional[int] = None
+    mesh: Optional[Mesh] = None
+    axis_name: str = "sp"
+    layout: str = "contiguous"
+    permuted: bool = False
+    strategy: str = "ring"
+    backward: str = "auto"
+    kernel: Any = "auto"
+    causal: bool = False
+    window: WindowArg = None
+    seq_selective: bool = False
+    rope_theta: Optional[float] = 10000.0
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = nn.initializers.lecun_normal()
+
+    def options(self) -> SeqParallelOptions:
+        return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name, layout=self.layout,
+                                  permuted=self.permuted, strategy=self.strategy,
+                                  backward=self.backward, kernel=self.kernel,
+                                  causal=self.causal, window=self.window,
+                                  seq_selective=self.seq_selective)
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):
+        if x.ndim != 3:
+            raise ValueError(f"x must have shape [batch, seq, features]; got {x.shape}")
+        opts = self.options()
+        hq, hkv = self.num_heads, self.num_kv_heads or self.num_heads
+        if hq % hkv:
+            raise ValueError(f"num_heads={hq} must be a multiple of num_kv_heads={hkv}")
+        dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
+                                  param_dtype=self.param_dtype, kernel_init=self.kernel_init)
+        q = dense((hq, self.head_dim), name="q_proj")(x)
+        k = dense((hkv, self.head_dim), name="k_proj")(x)
+        v = dense((hkv, self.head_dim), name="v_proj")(x)
+        o = opts.attend(q, k, v, positions=positions, segment_ids=segment_ids,
+                        rope_theta=self.rope_theta)
+        return dense(x.shape[-1], axis=(-2, -1), name="o_proj")(o)
