@@ -1,0 +1,5 @@
+"""Models built on the sequence-parallel layers (needs ``flax``)."""
+
+from jax_seqpar.models.llama import Llama, LlamaConfig, next_token_loss, shift_targets
+
+__all__ = ["Llama", "LlamaConfig", "next_token_loss", "shift_targets"]

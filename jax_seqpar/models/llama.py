@@ -1,0 +1,259 @@
+"""A small Llama-style decoder on the sequence-parallel attention layer (Flax Linen).
+
+Pre-norm blocks ``x + Attn(RMSNorm(x))``, ``h + SwiGLU(RMSNorm(h))`` (Llama: RMSNorm,
+SwiGLU feed-forward, rotary embeddings, grouped-query attention), token embedding and an
+untied (by default) LM head.
+
+Sequence parallelism: ``Llama(config, mesh=mesh, layout="zigzag")`` permutes the tokens
+into the layout **once**, at the input (a gather of the integer token ids); every layer
+then works on rows in layout order (RoPE from each row's global position, attention with
+``permuted=True``), and the logits come out in layout order.  ``next_token_loss`` shifts
+the targets in *natural* order before permuting them the same way, so every token
+``t + 1`` is the target of row ``t`` exactly once whichever device holds either -- no
+target is lost or duplicated at shard boundaries.  With ``mesh=None`` the same
+parameters run as a plain single-device model.
+
+``config.remat`` checkpoints every block (``jax_seqpar.remat``): ``"full"`` keeps the
+block inputs only, ``"attention"`` also keeps the attention output and lse (DistFlashAttn
+§3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_seqpar.layers.core import SeqParallelOptions
+from jax_seqpar.layers.linen import SeqParallelAttention
+from jax_seqpar.masks import WindowArg, normalize_window
+from jax_seqpar.remat import REMAT_MODES, policy_for
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model hyperparameters (frozen, validated).
+
+    ``head_dim`` defaults to ``d_model // num_heads``; ``ffn_dim`` to Llama's
+    ``8/3 * d_model`` rounded up to a multiple of 16.  ``dtype`` is the activation dtype,
+    ``param_dtype`` the parameters'.  ``window`` adds a sliding window to the causal mask.
+    """
+
+    vocab_size: int
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    window: WindowArg = None
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name}={val!r} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (GQA)")
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"d_model={self.d_model} must be divisible by "
+                                 f"num_heads={self.num_heads}, or set head_dim")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", -(-8 * self.d_model // 3 // 16) * 16)
+        for name in ("head_dim", "ffn_dim"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name}={val!r} must be a positive int")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
+                             f"must be positive")
+        object.__setattr__(self, "window", normalize_window(self.window))
+        for name in ("dtype", "param_dtype"):
+            try:
+                jnp.dtype(getattr(self, name))
+            except TypeError:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"unknown remat={self.remat!r}; choose one of {REMAT_MODES}")
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale``, computed in float32."""
+
+    eps: float = 1e-5
+    dtype: Any = F32
+    param_dtype: Any = F32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(F32)).astype(self.dtype)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, as in Llama)."""
+
+    hidden: int
+    dtype: Any = F32
+    param_dtype: Any = F32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,  # noqa: E731
+                                         param_dtype=self.param_dtype, name=name)
+        h = nn.silu(dense(self.hidden, "gate_proj")(x)) * dense(self.hidden, "up_proj")(x)
+        return dense(x.shape[-1], "down_proj")(h)
+
+
+class LlamaBlock(nn.Module):
+    """One pre-norm decoder block on rows in the options' order."""
+
+    config: LlamaConfig
+    options: SeqParallelOptions
+
+    @nn.compact
+    def __call__(self, x, segment_ids, positions):
+        c, o = self.config, self.options
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        attn = SeqParallelAttention(
+            num_heads=c.num_heads, head_dim=c.head_dim, num_kv_heads=c.num_kv_heads,
+            mesh=o.mesh, axis_name=o.axis_name, layout=o.layout, permuted=o.permuted,
+            strategy=o.strategy, backward=o.backward, kernel=o.kernel, causal=True,
+            window=c.window, seq_selective=o.seq_selective, rope_theta=c.rope_theta,
+            dtype=dt, param_dtype=pdt, name="attn")
+        h = x + attn(RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x), segment_ids, positions)
+        h = o.shard(h)
+        out = h + SwiGLU(c.ffn_dim, dt, pdt, name="mlp")(RMSNorm(c.norm_eps, dt, pdt,
+                                                                   name="mlp_norm")(h))
+        return o.shard(out)
+
+
+class Llama(nn.Module):
+    """Llama-style decoder.  ``apply(params, tokens, segment_ids=None)`` -> logits.
+
+    ``tokens`` ``[B, S]`` ints and ``segment_ids`` ``[B, S]`` (packed documents) are in
+    natural order; logits ``[B, S, vocab]`` are in natural order too, unless
+    ``layout_order=True`` (what training uses: ``next_token_loss``), which skips putting
+    them back.  ``mesh=None``: a plain single-device model with the same parameters.
+    """
+
+    config: LlamaConfig
+    mesh: Optional[Mesh] = None
+    axis_name: str = "sp"
+    layout: str = "zigzag"
+    strategy: str = "ring"
+    backward: str = "auto"
+    kernel: Any = "auto"
+
+    def options(self) -> SeqParallelOptions:
+        if self.config.remat in ("attention", "seq_selective") and (
+                self.mesh is None or self.strategy != "ring"):
+            raise ValueError(f"remat={self.config.remat!r} saves the residuals that the "
+                             f"ring attention tags, so it needs a mesh (one device is fine) "
+                             f"and strategy='ring' (got strategy={self.strategy!r}, "
+                             f"mesh={'None' if self.mesh is None else 'given'}); or use "
+                             f"remat='full'")
+        return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name,
+                                  layout=self.layout, permuted=True, strategy=self.strategy,
+                                  backward=self.backward, kernel=self.kernel, causal=True,
+                                  window=self.config.window,
+                                  seq_selective=self.config.remat == "seq_selective")
+
+    def permutation(self, seq_len: int) -> np.ndarray:
+        """Row ``t`` of the model's arrays holds token ``permutation(S)[t]``."""
+        return self.options().positions(seq_len)
+
+    def to_layout(self, x):
+        """``x`` ``[B, S, ...]`` from natural order into the model's row order."""
+        return x if x is None else jnp.take(x, jnp.asarray(self.permutation(x.shape[1])), 1)
+
+    def from_layout(self, x):
+        """Inverse of ``to_layout``."""
+        inv = np.argsort(self.permutation(x.shape[1]))
+        return jnp.take(x, jnp.asarray(inv), axis=1)
+
+    @nn.compact
+    def __call__(self, tokens, segment_ids=None, layout_order: bool = False):
+        c, opts = self.config, self.options()
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be integer [batch, seq]; got {tokens.dtype} "
+                             f"{tokens.shape}")
+        S = tokens.shape[1]
+        if opts.mesh is not None and S % (2 * opts.num_shards) and opts.seq_selective:
+            raise ValueError(f"remat='seq_selective' needs seq_len={S} divisible by "
+                             f"2*{opts.num_shards} devices")
+        positions = jnp.asarray(self.permutation(S))
+        tokens = opts.shard(self.to_layout(tokens))           # the one permutation
+        segment_ids = None if segment_ids is None else opts.shard(self.to_layout(segment_ids))
+        dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        embed = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
+                         embedding_init=nn.initializers.normal(0.02), name="embed")
+        x = opts.shard(embed(tokens))
+        block = LlamaBlock
+        if c.remat != "none":
+            block = nn.remat(LlamaBlock, policy=policy_for(c.remat), prevent_cse=True)
+        for i in range(c.num_layers):
+            x = block(c, opts, name=f"layer_{i}")(x, segment_ids, positions)
+        x = RMSNorm(c.norm_eps, dt, pdt, name="final_norm")(x)
+        if c.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
+                              name="lm_head")(x)
+        return logits if layout_order else self.from_layout(logits)
+
+
+def shift_targets(tokens, loss_mask=None, segment_ids=None):
+    """Next-token targets in natural order: ``targets[t] = tokens[t + 1]``.
+
+    Returns ``(targets, weights)``, ``[B, S]`` each; ``weights[t]`` is 0 for the last
+    position, where a document ends (``segment_ids[t] != segment_ids[t + 1]``) and where
+    ``loss_mask[t + 1]`` is false (``loss_mask`` marks the tokens worth predicting).
+    """
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    weights = jnp.ones(tokens.shape, F32).at[:, -1].set(0.0)
+    if loss_mask is not None:
+        weights = weights.at[:, :-1].multiply(loss_mask[:, 1:].astype(F32))
+    if segment_ids is not None:
+        weights = weights.at[:, :-1].multiply(
+            (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(F32))
+    return targets, weights
+
+
+def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=None):
+    """Mean next-token cross-entropy and accuracy over the weighted positions.
+
+    Targets are shifted in natural order (``shift_targets``), then permuted like the
+    tokens, so the logits never leave layout order.  Returns ``(loss, metrics)`` with
+    ``metrics = {"loss", "accuracy", "tokens"}``.
+    """
+    logits = model.apply(params, tokens, segment_ids, layout_order=True).astype(F32)
+    targets, weights = shift_targets(tokens, loss_mask, segment_ids)
+    targets, weights = model.to_layout(targets), model.to_layout(weights)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    total = jnp.maximum(weights.sum(), 1.0)
+    loss = (nll * weights).sum() / total
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(F32)
+    return loss, {"loss": loss, "accuracy": (correct * weights).sum() / total,
+                  "tokens": weights.sum()}

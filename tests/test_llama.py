@@ -1,0 +1,117 @@
+"""The Llama-style model: sequence-parallel (8 devices, zigzag / contiguous / striped)
+against the same parameters on one device, and the natural-order target shift."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from helpers import assert_close, sorted_segments
+from jax_seqpar.models import Llama, LlamaConfig, next_token_loss, shift_targets
+
+B, S = 2, 64
+CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def auto_mesh(G):
+    return jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                         axis_types=(AxisType.Auto,))
+
+
+def tokens(seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, S), 0, CFG.vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def loss_and_grad(model):
+    def f(params, toks, seg):
+        return next_token_loss(model, params, toks, segment_ids=seg)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+@functools.lru_cache(maxsize=None)
+def single_device_params():
+    return Llama(CFG).init(jax.random.key(0), tokens())
+
+
+def compare_with_single_device(model, seg=None, what=""):
+    params = single_device_params()
+    toks = tokens(1)
+    ref = Llama(CFG)
+    assert_close(jax.jit(model.apply)(params, toks, seg), ref.apply(params, toks, seg), TOL,
+                 f"{what}: logits")
+    (loss, m), grads = loss_and_grad(model)(params, toks, seg)
+    (rloss, rm), rgrads = loss_and_grad(ref)(params, toks, seg)
+    assert_close(loss, rloss, TOL, f"{what}: loss")
+    assert float(m["tokens"]) == float(rm["tokens"])
+    for (path, g), (_, rg) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                  jax.tree_util.tree_flatten_with_path(rgrads)[0]):
+        assert_close(g, rg, TOL, f"{what}: d{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_sequence_parallel_model_matches_single_device(layout):
+    compare_with_single_device(Llama(CFG, mesh=auto_mesh(8), layout=layout), what=layout)
+
+
+def test_striped_packed_documents_burst_backward():
+    seg = sorted_segments(3, B, S, num_docs=3)
+    model = Llama(CFG, mesh=auto_mesh(4), layout="striped", backward="q")
+    compare_with_single_device(model, seg, "striped+segments")
+
+
+def test_targets_shift_in_natural_order():
+    """Every token after the first is the target of exactly one row, whatever the layout."""
+    toks = jnp.asarray(np.arange(B * S).reshape(B, S) % 1000)
+    targets, weights = shift_targets(toks)
+    assert float(weights.sum()) == B * (S - 1)
+    np.testing.assert_array_equal(np.asarray(targets[:, :-1]), np.asarray(toks[:, 1:]))
+    model = Llama(CFG, mesh=auto_mesh(8), layout="zigzag")
+    lt, lw = model.to_layout(targets), model.to_layout(weights)
+    perm = model.permutation(S)
+    assert perm.tolist() != list(range(S))
+    for b in range(B):
+        got = sorted(np.asarray(lt[b])[np.asarray(lw[b]) > 0].tolist())
+        assert got == sorted(np.asarray(toks[b, 1:]).tolist())
+        # row t of the layout predicts the token after the one it holds
+        np.testing.assert_array_equal(np.asarray(lt[b])[np.asarray(lw[b]) > 0],
+                                      np.asarray(toks[b])[perm[np.asarray(lw[b]) > 0] + 1])
+    seg = jnp.asarray(np.repeat([[0] * 10 + [1] * (S - 10)], B, 0))
+    mask = jnp.ones((B, S), bool).at[:, 20].set(False)
+    _, w = shift_targets(toks, loss_mask=mask, segment_ids=seg)
+    assert float(w[0, 9]) == 0 and float(w[0, 19]) == 0 and float(w.sum()) == B * (S - 3)
+
+
+def test_loss_is_cross_entropy_of_natural_order_logits():
+    model = Llama(CFG, mesh=auto_mesh(8), layout="zigzag")
+    params, toks = single_device_params(), tokens(2)
+    (loss, m), _ = loss_and_grad(model)(params, toks, None)
+    logits = Llama(CFG).apply(params, toks)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)
+    assert_close(loss, nll.mean(), TOL, "loss")
+    acc = (jnp.argmax(logits[:, :-1], -1) == toks[:, 1:]).mean()
+    assert abs(float(m["accuracy"]) - float(acc)) < 1e-6
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        LlamaConfig(vocab_size=8, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="remat='selective'"):
+        LlamaConfig(vocab_size=8, remat="selective")
+    with pytest.raises(ValueError, match="head_dim=7"):
+        LlamaConfig(vocab_size=8, d_model=28, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LlamaConfig(vocab_size=0)
+    with pytest.raises(ValueError, match="remat='attention'"):
+        Llama(LlamaConfig(vocab_size=8, remat="attention")).init(
+            jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert LlamaConfig(vocab_size=8, d_model=64).ffn_dim == 176
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CFG.d_model = 3

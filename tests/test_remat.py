@@ -1,0 +1,115 @@
+"""Checkpoint policies: the attention forward runs once per layer under the remat-aware
+policy (DistFlashAttn §3.3) and twice under plain per-layer checkpointing; the
+sequence-selective policy (BurstEngine §3.2) re-runs only the earlier rows' ring pass.
+
+Ring forward passes are counted by their transfers (every pass makes the same number),
+in the jaxpr of ``value_and_grad`` (``remat.ring_transfer_counts``) and, after XLA, in
+the compiled HLO (``op_name`` metadata carries the ring's ``named_scope``).
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from helpers import assert_close
+from jax_seqpar.models import Llama, LlamaConfig, next_token_loss
+from jax_seqpar.parallel.common import FWD_SCOPE
+from jax_seqpar.parallel.selective import EARLY_SCOPE, LATE_SCOPE
+from jax_seqpar.remat import policy_for, ring_transfer_counts
+
+L, G, S = 2, 4, 64
+CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=L, num_heads=4, num_kv_heads=2)
+MODES = ("none", "full", "attention", "seq_selective")
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mode):
+    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G], axis_types=(AxisType.Auto,))
+    model = Llama(dataclasses.replace(CFG, remat=mode), mesh=mesh, layout="zigzag",
+                  backward="kv")
+    toks = jax.random.randint(jax.random.key(0), (1, S), 0, CFG.vocab_size)
+    params = Llama(CFG).init(jax.random.key(1), toks)
+    loss = lambda p: next_token_loss(model, p, toks)[0]  # noqa: E731
+    return loss, params
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(mode):
+    loss, params = setup(mode)
+    fn = jax.jit(jax.value_and_grad(loss))
+    return fn, fn.lower(params).compile().as_text()
+
+
+def per_pass():
+    """Transfers of one ring forward pass (one layer's attention forward)."""
+    loss, params = setup("none")
+    c = ring_transfer_counts(loss, params)
+    assert set(c) == {("fwd", "forward")} and c[("fwd", "forward")] % L == 0
+    return c[("fwd", "forward")] // L
+
+
+def hlo_forward_transfers(hlo, scope=FWD_SCOPE):
+    """(in the forward, in the backward) collective-permutes of ``scope`` in compiled HLO."""
+    ops = [ln for ln in hlo.splitlines()
+           if re.search(r"= \S+ collective-permute(-start)?\(", ln) and scope in ln]
+    back = sum("transpose(" in ln for ln in ops)
+    return len(ops) - back, back
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_forwards_per_layer(mode):
+    c = per_pass()
+    assert c > 0
+    loss, params = setup(mode)
+    n = ring_transfer_counts(jax.value_and_grad(loss), params)
+    bwd = n[("bwd", "forward")] + n[("bwd", "backward")]
+    assert bwd == ring_transfer_counts(jax.value_and_grad(setup("none")[0]), params)[
+        ("bwd", "backward")] > 0
+    fwd, remat = n[("fwd", "forward")], n[("fwd", "backward")]
+    if mode in ("none", "attention"):  # once per layer, never in the backward
+        assert (fwd, remat) == (L * c, 0), dict(n)
+    elif mode == "full":  # once in the forward and once more in the backward, per layer
+        assert (fwd, remat) == (L * c, L * c), dict(n)
+    else:  # both row groups once in the forward; only the earlier rows again
+        assert (fwd, remat) == (0, 0)
+        assert n[("fwd_early", "forward")] == n[("fwd_late", "forward")] == L * c, dict(n)
+        assert n[("fwd_early", "backward")] == L * c and n[("fwd_late", "backward")] == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "attention", "seq_selective"])
+def test_compiled_program_reruns_only_what_the_policy_drops(mode):
+    c = per_pass()
+    _, hlo = compiled(mode)
+    fwd, back = hlo_forward_transfers(hlo)
+    if mode == "attention":
+        assert (fwd, back) == (L * c, 0)
+    elif mode == "full":
+        # XLA may merge the last layer's recomputation with its forward (nothing runs in
+        # between); every other layer's attention forward runs again in the backward.
+        assert back >= (L - 1) * c and fwd + back >= (2 * L - 1) * c, (fwd, back)
+    else:
+        assert hlo_forward_transfers(hlo, LATE_SCOPE)[1] == 0
+        assert hlo_forward_transfers(hlo, EARLY_SCOPE)[1] >= (L - 1) * c > 0
+
+
+def test_policies_do_not_change_gradients():
+    fn, _ = compiled("none")
+    params = setup("none")[1]
+    ref_loss, ref = fn(params)
+    for mode in ("full", "attention", "seq_selective"):
+        loss, grads = compiled(mode)[0](params)
+        assert_close(loss, ref_loss, 1e-6, f"{mode}: loss")
+        for (path, g), (_, r) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                     jax.tree_util.tree_flatten_with_path(ref)[0]):
+            assert_close(g, r, 1e-5, f"{mode}: d{jax.tree_util.keystr(path)}")
+
+
+def test_policy_for_names_the_modes():
+    assert policy_for("none") is None
+    assert policy_for("full") is jax.checkpoint_policies.nothing_saveable
+    with pytest.raises(ValueError, match="remat='layer'"):
+        policy_for("layer")
