@@ -87,3 +87,36 @@ def take_seq(x, idx, mesh, spec: PartitionSpec):
     if has_explicit_axes(mesh):
         return x.at[:, idx].get(out_sharding=NamedSharding(mesh, spec))
     return jax.numpy.take(x, idx, axis=1)
+
+
+def kernel_io(args, out_shapes):
+    """Prepare a ``pallas_call`` for use inside and outside ``shard_map(check_vma=True)``.
+
+    Marks every array of ``args`` as varying over the union of their mesh axes (a
+    ``pallas_call`` needs its inputs to agree) and returns ``(args, out_structs)`` with the
+    outputs' ``ShapeDtypeStruct`` carrying that same varying set, as ``check_vma`` demands.
+    ``out_shapes`` is a list of ``(shape, dtype)``.
+    """
+    args = vary_like(list(args), *args)
+    mat = None
+    for a in args:
+        mat = getattr(jax.typeof(a), "manual_axis_type", None)
+        if mat is not None:
+            break
+    structs = []
+    for shape, dtype in out_shapes:
+        if mat is None:
+            structs.append(jax.ShapeDtypeStruct(shape, dtype))
+        else:
+            structs.append(jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat))
+    return args, structs
+
+
+def kernel_checks_vma(kernel) -> bool:
+    """Whether ``kernel`` can run inside ``shard_map(check_vma=True)``.
+
+    Pallas in interpret mode cannot (JAX's interpreter mixes varying and invariant
+    values in its own loop); such kernels set ``supports_check_vma = False`` and the
+    shard_map around them is built without the check.
+    """
+    return bool(getattr(kernel, "supports_check_vma", True))

@@ -168,7 +168,8 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
                   "ring_selective": selective_ring_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)
     fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,
-                           in_specs=(seq,) * nargs, out_specs=seq)
+                           in_specs=(seq,) * nargs, out_specs=seq,
+                           check_vma=_compat.kernel_checks_vma(cfg.kernel))
     layout, stripe = cfg.layout, cfg.stripe
 
     def run(*args):

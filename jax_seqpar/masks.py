@@ -168,3 +168,16 @@ class MaskSpec:
             xp = np if isinstance(q_lo, (int, np.integer, np.ndarray)) else jnp
             ok = ok & self.block_mask.any_visible(q_lo, q_hi, kv_lo, kv_hi, xp=xp)
         return ok
+
+    def tile_fully_visible(self, q_lo, q_hi, kv_lo, kv_hi):
+        """True only when position bounds *prove* every pair of a tile visible (so a
+        kernel may skip evaluating the mask).  Block masks and segments are not used:
+        with a block mask this is always False."""
+        if self.block_mask is not None:
+            return False
+        ok = True
+        if self.right_limit is not None:  # every k - q <= right: kv_hi - q_lo <= right
+            ok = ok & (kv_hi - q_lo <= self.right_limit)
+        if self.left_limit is not None:  # every q - k <= left: q_hi - kv_lo <= left
+            ok = ok & (q_hi - kv_lo <= self.left_limit)
+        return ok

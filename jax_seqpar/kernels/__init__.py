@@ -1,9 +1,10 @@
 """Local attention tile kernels behind one contract (see ``base.py``)."""
 
-from jax_seqpar.kernels import xla  # noqa: F401  (registers "xla")
+from jax_seqpar.kernels import pallas_gpu, xla  # noqa: F401  (register "pallas", "xla")
 from jax_seqpar.kernels.base import (AttentionKernel, KernelRequest, available_kernels,
                                      get_kernel, register_kernel)
+from jax_seqpar.kernels.pallas_gpu import PallasConfig, PallasKernel
 from jax_seqpar.kernels.xla import XlaKernel
 
-__all__ = ["AttentionKernel", "KernelRequest", "XlaKernel", "available_kernels", "get_kernel",
+__all__ = ["AttentionKernel", "KernelRequest", "PallasConfig", "PallasKernel", "XlaKernel", "available_kernels", "get_kernel",
            "register_kernel"]

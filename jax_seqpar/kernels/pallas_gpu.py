@@ -1,0 +1,324 @@
+"""Pallas GPU (Triton lowering) attention tiles behind the kernel contract of ``base.py``.
+
+Forward (FlashAttention-2 Alg. 1, one program per (query block, batch, query head)):
+the query block stays in registers, a loop runs over the *visible* key blocks only,
+keeping the running max ``m``, denominator ``l`` and unnormalised output in float32
+(base-2 exponentials, the scale folded into ``log2(e) * scale``), and the program writes
+``o`` and ``lse`` (natural log).  Backward (``pallas_gpu_bwd.py``): FlashAttention-2 Alg. 2
+with ``delta = rowsum(dO * O)`` precomputed (BurstAttention Alg. 2, line 2) -- one kernel
+for ``dK, dV`` over query blocks, one for ``dQ`` over key blocks.
+
+Which tiles run is decided before the kernel, in XLA, from the position bounds of every
+(query block, key block) pair (``MaskSpec.tile_may_be_visible``): each query block gets a
+short list of the key blocks it may see: first those whose bounds prove every pair
+visible (``MaskSpec.tile_fully_visible``), then the partially visible ones.  The kernel
+runs one loop over the first kind with no mask code at all and a second loop that
+evaluates the mask over the rest, so fully masked tiles cost nothing and neither loop
+has a branch (a branch in the loop body measurably slowed Triton's pipelined loads).  Because masks are
+predicates on global positions, the same kernel serves every ring step, layout and
+packed-document batch.
+
+GQA: query head ``h`` reads key/value head ``h // g`` through the block index map; K/V
+are never repeated.  Ragged lengths: inputs are padded to whole blocks and padded keys
+are masked by index.  Off GPU, the same kernels run with ``interpret=True`` (slow; for
+tests).  Block masks (``MaskSpec.block_mask``) are refused (``NotImplementedError``), so
+``kernel="auto"`` falls back to ``xla`` for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_seqpar._compat import kernel_io
+from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
+from jax_seqpar.masks import MaskSpec
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+    """Tile sizes and launch parameters (powers of two; ``block_*`` >= 16 for ``tl.dot``)."""
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"PallasConfig.{f.name}={val!r} must be a positive int")
+            if f.name.startswith(("block", "num_warps")) and val & (val - 1):
+                raise ValueError(f"PallasConfig.{f.name}={val} must be a power of two "
+                                 f"(Triton tiles)")
+            if f.name.startswith("block") and val < 16:
+                raise ValueError(f"PallasConfig.{f.name}={val} must be >= 16 (tl.dot)")
+
+
+#: Per-head-dim defaults (see benchmarks/kernels.py and RESULTS.md for the sweep).
+DEFAULT_CONFIGS = {
+    64: PallasConfig(block_q=64, block_k=64, num_warps=4, num_stages=3,
+                     block_q_bwd=64, block_k_bwd=64, num_warps_bwd=4),
+    128: PallasConfig(block_q=128, block_k=64, num_warps=4, num_stages=3,
+                      block_q_bwd=64, block_k_bwd=64, num_warps_bwd=4),
+    256: PallasConfig(block_q=64, block_k=32, num_warps=8, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8),
+}
+
+
+def _compiler_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot(a, b, trans_a=False, trans_b=False, precision=None):
+    """2-D ``a @ b`` (optionally transposed operands) with float32 accumulation, as one
+    ``dot_general`` (the Triton lowering maps it to ``tl.dot``)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def _dot_precision(dtype):
+    # float32 inputs: true float32 products (not TF32) so the 1e-5 budget holds.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+
+
+# --------------------------------------------------------------------------- tiles
+def _pad_to(x, axis, length, edge=False):
+    pad = length - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, mode="edge") if edge else jnp.pad(x, widths)
+
+
+def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg: bool,
+               transpose: bool = False):
+    """Per row block, the column blocks it may see, as ``int32 [B, n_rows, n_cols + 2]``.
+
+    Entry 0 is the number ``c`` of visible blocks, entry 1 the number ``f <= c`` of them
+    whose bounds prove every pair visible; entries ``2 .. 2+c`` are the block indices,
+    the ``f`` fully visible ones first, so a kernel runs two loops: one without any mask
+    code over the first ``f`` and one that evaluates the mask over the other ``c - f``.
+    (Softmax accumulation is order-independent.)  Rows are query blocks
+    (``transpose=False``) or key blocks (``True``).  ``q_pos`` ``[B, Lq]`` and ``kv_pos``
+    ``[Lk]`` are padded (edge values) to whole blocks.
+    """
+    B, Lq = q_pos.shape
+    qb = q_pos.reshape(B, Lq // bq, bq)
+    kb = kv_pos.reshape(-1, bk)
+    q_lo, q_hi = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]  # [B, nq, 1]
+    k_lo, k_hi = kb.min(-1)[None, None], kb.max(-1)[None, None]  # [1, 1, nk]
+    nq, nk = qb.shape[1], kb.shape[0]
+    shape = (B, nq, nk)
+    vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
+    full = full & whole[None, None, :] & (not has_seg) & vis
+    if transpose:
+        vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
+    n_cols = vis.shape[2]
+    rank = jnp.where(full, 0, jnp.where(vis, 1, 2))  # full, then partial, then invisible
+    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+    count = vis.sum(-1, dtype=jnp.int32)[..., None]
+    n_full = full.sum(-1, dtype=jnp.int32)[..., None]
+    order = jnp.where(jnp.arange(n_cols) < count, order, 0)
+    return jnp.concatenate([count, n_full, order], axis=-1)
+
+
+def mask_tile(mask: MaskSpec, s, q_pos, kv_pos, kv_index, Tk: int, q_seg=None, kv_seg=None):
+    """``s`` with invisible pairs set to -inf: positions, padded keys, segments."""
+    diff = kv_pos[None, :] - q_pos[:, None]
+    ok = (kv_index < Tk)[None, :]
+    if mask.right_limit is not None:
+        ok = ok & (diff <= mask.right_limit)
+    if mask.left_limit is not None:
+        ok = ok & (-diff <= mask.left_limit)
+    if q_seg is not None:
+        ok = ok & (q_seg[:, None] == kv_seg[None, :])
+    return jnp.where(ok, s, -jnp.inf)
+
+
+def needs_mask(mask: MaskSpec, Tk: int, bk: int, has_seg: bool) -> bool:
+    return (mask.right_limit is not None or mask.left_limit is not None or has_seg
+            or Tk % bk != 0)
+
+
+# --------------------------------------------------------------------------- forward
+def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, *refs, mask, scale, bk,
+                Tk, has_seg, masked, precision):
+    if has_seg:
+        qseg_ref, kvseg_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
+    bq, D = q_ref.shape
+    q = q_ref[...]
+    qpos = qpos_ref[...]
+    qseg = qseg_ref[...] if has_seg else None
+    c = scale * LOG2E
+
+    def body(t, carry, masked):
+        acc, m, l = carry
+        start = pl.multiple_of(tbl_ref[t + 2] * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s = dot(q, k, trans_b=True, precision=precision) * c  # [bq, bk] float32, log2 units
+        if masked:
+            idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            kvs = kvseg_ref[pl.ds(start, bk)] if has_seg else None
+            s = mask_tile(mask, s, qpos, kvpos_ref[pl.ds(start, bk)], idx, Tk, qseg, kvs)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bq, D), F32), jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
+    n_full = tbl_ref[1] if masked else tbl_ref[0]
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+    if masked:  # the partially visible tiles, after the fully visible ones
+        carry = lax.fori_loop(n_full, tbl_ref[0], functools.partial(body, masked=True), carry)
+    acc, m, l = carry
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(has, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, kv_seg=None,
+               *, config: PallasConfig, interpret: bool):
+    """``(o float32 [B, Tq, Hq, D], lse float32 [B, Hq, Tq])``; see the module docstring."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    bq, bk = config.block_q, config.block_k
+    Lq, Lk = -(-Tq // bq) * bq, -(-Tk // bk) * bk
+    has_seg = q_seg is not None
+    q_pos = jnp.broadcast_to(q_pos.astype(jnp.int32), (B, Tq))
+    q_pos = _pad_to(q_pos, 1, Lq, edge=True)
+    kv_pos = _pad_to(kv_pos.astype(jnp.int32), 0, Lk, edge=True)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg)
+    qp, kp, vp = _pad_to(q, 1, Lq), _pad_to(k, 1, Lk), _pad_to(v, 1, Lk)
+    nq, nk = Lq // bq, Lk // bk
+    grid = (nq, B, Hq)
+    in_specs = [
+        pl.BlockSpec((None, None, nk + 2), lambda i, b, h: (b, i, 0)),
+        pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, Lk, None, D), lambda i, b, h: (b, 0, h // g, 0)),
+        pl.BlockSpec((None, Lk, None, D), lambda i, b, h: (b, 0, h // g, 0)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((Lk,), lambda i, b, h: (0,)),
+    ]
+    args = [tbl, qp, kp, vp, q_pos, kv_pos]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                     pl.BlockSpec((None, Lk), lambda i, b, h: (b, 0))]
+        args += [_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
+                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True)]
+    args, out_shape = kernel_io(args, [((B, Lq, Hq, D), F32), ((B, Hq, Lq), F32)])
+    kernel = functools.partial(
+        _fwd_kernel, mask=mask, scale=scale, bk=bk, Tk=Tk, has_seg=has_seg,
+        masked=needs_mask(mask, Tk, bk, has_seg), precision=_dot_precision(q.dtype))
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=out_shape,
+        compiler_params=None if interpret else _compiler_params(config.num_warps,
+                                                                config.num_stages),
+        interpret=interpret,
+        name="seqpar_attention_fwd",
+    )(*args)
+    return o[:, :Tq], lse[..., :Tq]
+
+
+# --------------------------------------------------------------------------- backend
+@dataclasses.dataclass(frozen=True)
+class PallasKernel:
+    """The Pallas backend.  ``config=None`` picks ``DEFAULT_CONFIGS[head_dim]``;
+    ``interpret=None`` interprets off GPU (slow, for tests) and compiles on GPU."""
+
+    config: Optional[PallasConfig] = None
+    interpret: Optional[bool] = None
+    name: str = "pallas"
+
+    def __post_init__(self):
+        if self.config is not None and not isinstance(self.config, PallasConfig):
+            raise TypeError(f"config={self.config!r} must be a PallasConfig or None")
+
+    def _config(self, head_dim: int) -> PallasConfig:
+        return self.config or DEFAULT_CONFIGS[head_dim]
+
+    def _interpret(self) -> bool:
+        return default_platform() != "gpu" if self.interpret is None else self.interpret
+
+    @property
+    def supports_check_vma(self) -> bool:
+        """Compiled kernels declare their outputs' varying axes (``_compat.kernel_io``);
+        JAX's Pallas interpreter cannot run under ``check_vma``."""
+        return not self._interpret()
+
+    def check(self, request: KernelRequest) -> None:
+        if request.head_dim not in HEAD_DIMS:
+            raise NotImplementedError(f"head_dim={request.head_dim} is not supported by the "
+                                      f"pallas kernel (supported: {HEAD_DIMS})")
+        if str(request.dtype) not in DTYPES:
+            raise NotImplementedError(f"dtype {request.dtype} is not supported by the pallas "
+                                      f"kernel (supported: {DTYPES})")
+        if request.mask.block_mask is not None:
+            raise NotImplementedError("block-sparse masks (block_mask) are not supported by "
+                                      "the pallas kernel; use kernel='xla'")
+
+    def _check_call(self, q, k, q_pos, kv_pos):
+        D = q.shape[-1]
+        self.check(KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
+                                 head_dim=D, mask=MaskSpec()))
+        if q_pos.ndim not in (1, 2) or kv_pos.ndim != 1:
+            raise ValueError(f"q_pos must be [Tq] or [B, Tq] and kv_pos [Tk]; got shapes "
+                             f"{q_pos.shape} and {kv_pos.shape}")
+
+    def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
+            kv_seg=None):
+        self._check_call(q, k, q_pos, kv_pos)
+        if mask.block_mask is not None:
+            raise NotImplementedError("block_mask is not supported by the pallas kernel")
+        return pallas_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                          config=self._config(q.shape[-1]), interpret=self._interpret())
+
+    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
+            q_seg=None, kv_seg=None, delta=None):
+        from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
+        self._check_call(q, k, q_pos, kv_pos)
+        if mask.block_mask is not None:
+            raise NotImplementedError("block_mask is not supported by the pallas kernel")
+        return pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                          delta, config=self._config(q.shape[-1]),
+                          interpret=self._interpret())
+
+
+# Above xla on GPU; on CPU only by name (interpret mode is for tests, never "auto").
+register_kernel("pallas", PallasKernel, priority=10, platforms=("gpu",))

@@ -1,0 +1,230 @@
+"""``PallasKernel`` (kernels/pallas_gpu*.py) in interpret mode on CPU, against the reference.
+
+The kernels run with tiles of 16 so that every case has several query and key blocks,
+with sequence lengths that are not multiples of the tile, and with position vectors as
+a ring step, a zigzag shard or a striped shard produces them.  The GPU-compiled path is
+exercised by ``benchmarks/kernels.py`` (results in benchmarks/RESULTS.md).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_seqpar as jsp
+from helpers import (BF16, F32, assert_close, assert_lse_close, make_cotangent, make_mesh,
+                     make_qkv, reference_fwd_bwd, sorted_segments, to_np32, tol)
+from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel, get_kernel
+from jax_seqpar.kernels.base import KernelRequest
+from jax_seqpar.kernels.pallas_gpu import tile_lists
+from jax_seqpar.layouts import shard_positions
+from jax_seqpar.masks import BlockMask, MaskSpec
+
+F16 = jnp.float16
+SMALL = PallasConfig(block_q=16, block_k=16, num_warps=4, num_stages=2, block_q_bwd=16,
+                     block_k_bwd=16, num_warps_bwd=4)
+KERNEL = PallasKernel(config=SMALL)
+D = 64  # the smallest head dim the kernel accepts
+
+
+def _tol(dtype):
+    return 2e-2 if jnp.dtype(dtype) != jnp.dtype(F32) else tol(F32)
+
+
+def positions(kind, Tq, Tk):
+    """(q_pos, kv_pos) int32 as one ring step / layout would hand them to the kernel."""
+    if kind == "contiguous":
+        return np.arange(Tq) + max(Tk - Tq, 0), np.arange(Tk)
+    if kind == "ring_step":  # queries of device 3, keys of device 1 (all visible, causal)
+        return 3 * Tk + np.arange(Tq), Tk + np.arange(Tk)
+    if kind == "masked_rows":  # causal: the first 20 queries precede every key
+        return 80 + np.arange(Tq), 100 + np.arange(Tk)
+    G = 4  # zigzag / striped: device 2's queries against device 1's keys
+    return (shard_positions(kind, 2, Tq, G, xp=np), shard_positions(kind, 1, Tk, G, xp=np))
+
+
+@functools.lru_cache(maxsize=None)
+def fns(causal, window):
+    mask = MaskSpec(causal=causal, window=window)
+
+    @jax.jit
+    def run(q, k, v, do, q_pos, kv_pos, q_seg, kv_seg):
+        o, lse = KERNEL.fwd(q, k, v, q_pos, kv_pos, mask, D ** -0.5, q_seg, kv_seg)
+        grads = KERNEL.bwd(q, k, v, o.astype(q.dtype), lse, do, q_pos, kv_pos, mask,
+                           D ** -0.5, q_seg, kv_seg)
+        return o, lse, grads
+    return run
+
+
+CASES = {
+    # name: (Tq, Tk, Hq, Hkv, positions, causal, window, segments, dtype)
+    "dense_ragged_f32": (40, 56, 2, 2, "contiguous", False, None, False, F32),
+    "causal_gqa_f32": (48, 48, 4, 2, "contiguous", True, None, False, F32),
+    "causal_mqa_bf16": (48, 40, 4, 1, "contiguous", True, None, False, BF16),
+    "ring_step_f16": (32, 32, 2, 2, "ring_step", True, None, False, F16),
+    "zigzag_causal_gqa_f32": (32, 32, 4, 2, "zigzag", True, None, False, F32),
+    "striped_causal_bf16": (32, 32, 2, 2, "striped", True, None, False, BF16),
+    "window_segments_f32": (48, 48, 4, 2, "contiguous", False, (9, 4), True, F32),
+    "causal_window_segments_bf16": (40, 40, 2, 1, "contiguous", True, (12, 0), True, BF16),
+    "masked_rows_f32": (32, 32, 2, 2, "masked_rows", True, None, False, F32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fwd_bwd_against_reference(case):
+    Tq, Tk, Hq, Hkv, pos, causal, window, seg, dtype = CASES[case]
+    B = 2
+    q, k, v = make_qkv(3, B=B, S=Tq, Sk=Tk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+    do = make_cotangent(3, q.shape, dtype)
+    qp, kp = (jnp.asarray(x, jnp.int32) for x in positions(pos, Tq, Tk))
+    qs = sorted_segments(4, B, Tq, num_docs=3) if seg else None
+    ks = sorted_segments(5, B, Tk, num_docs=3) if seg else None
+    o, lse, grads = fns(causal, window)(q, k, v, do, qp, kp, qs, ks)
+    ro, rlse, rgrads = reference_fwd_bwd(q, k, v, do, qs, ks, qp, kp, causal=causal,
+                                         window=window, scale=D ** -0.5)
+    t = _tol(dtype)
+    assert o.dtype == F32 and lse.dtype == F32 and lse.shape == (B, Hq, Tq)
+    assert_close(o, ro, t, "out")
+    assert_lse_close(lse, rlse, t)
+    for name, g, r in zip("qkv", grads, rgrads):
+        assert g.shape == r.shape
+        assert_close(g, r, t, f"d{name}")
+    if pos == "masked_rows":  # rows that see nothing: o = 0, lse = -inf, dq = 0, no NaN
+        assert np.isneginf(to_np32(lse)[:, :, :20]).all()
+        assert (to_np32(o)[:, :20] == 0).all() and (to_np32(grads[0])[:, :20] == 0).all()
+
+
+def test_per_row_query_positions_and_external_lse():
+    """``q_pos`` ``[B, Tq]`` (decoding with ragged lengths) and a backward fed the lse of a
+    larger attention plus a precomputed delta, as the ring does."""
+    B, Tq, Tk = 2, 4, 48
+    q, k, v = make_qkv(6, B=B, S=Tq, Sk=Tk, Hq=4, Hkv=1, D=D)
+    do = make_cotangent(6, q.shape)
+    qp = jnp.asarray([[44, 45, 46, 47], [20, 21, 22, 23]], jnp.int32)
+    kp = jnp.arange(Tk, dtype=jnp.int32)
+    mask = MaskSpec(causal=True)
+    o, lse = KERNEL.fwd(q, k, v, qp, kp, mask, 0.1)
+    xo, xlse = XlaKernel(block_q=8, block_k=8).fwd(q, k, v, qp, kp, mask, 0.1)
+    assert_close(o, xo, 1e-5, "out vs xla")
+    assert_lse_close(lse, xlse, 1e-5)
+    # keys split in two halves: each half's backward with the *global* lse sums to the whole
+    half = Tk // 2
+    full = KERNEL.bwd(q, k, v, o, lse, do, qp, kp, mask, 0.1)
+    parts = [KERNEL.bwd(q, k[:, s], v[:, s], o, lse, do, qp, kp[s], mask, 0.1,
+                        delta=jnp.einsum("bqhd,bqhd->bhq", do, o))
+             for s in (slice(0, half), slice(half, Tk))]
+    assert_close(parts[0][0] + parts[1][0], full[0], 1e-5, "dq split over key halves")
+    assert_close(jnp.concatenate([parts[0][1], parts[1][1]], 1), full[1], 1e-5, "dk halves")
+
+
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("ring", "striped"),
+                                             ("tree", "contiguous"), ("allgather", "zigzag")])
+def test_parallel_strategies_with_pallas_match_xla(strategy, layout):
+    """Issue 6: the ring (and tree, all-gather) with ``kernel="pallas"`` matches ``"xla"``."""
+    mesh = make_mesh(4)
+    q, k, v = make_qkv(8, B=1, S=128, Hq=4, Hkv=2, D=D)
+    do = make_cotangent(8, q.shape)
+    seg = sorted_segments(8, 1, 128, num_docs=3)
+
+    def run(kernel):
+        def f(q, k, v):
+            return jsp.attention(q, k, v, mesh=mesh, strategy=strategy, layout=layout,
+                                 causal=True, segment_ids=seg, kernel=kernel)
+        o, vjp = jax.vjp(jax.jit(f), q, k, v)
+        return o, vjp(do)
+
+    o, g = run(KERNEL)
+    xo, xg = run("xla")
+    assert_close(o, xo, 1e-5, "out pallas vs xla")
+    for name, a, b in zip("qkv", g, xg):
+        assert_close(a, b, 1e-5, f"d{name} pallas vs xla")
+
+
+def test_tree_decode_with_pallas():
+    mesh = make_mesh(4)
+    q, _, _ = make_qkv(9, B=2, S=4, Hq=4, Hkv=1, D=D)
+    _, k, v = make_qkv(10, B=2, S=128, Hq=4, Hkv=1, D=D)
+    lens = jnp.asarray([128, 50])
+    out = jsp.tree_decode(q, k, v, mesh=mesh, kv_lengths=lens, causal=True, kernel=KERNEL)
+    ref = jsp.tree_decode(q, k, v, mesh=mesh, kv_lengths=lens, causal=True, kernel="xla")
+    assert_close(out, ref, 1e-5, "tree_decode pallas vs xla")
+
+
+# ------------------------------------------------------------------------- tile lists
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "ring_step"])
+@pytest.mark.parametrize("mask", [MaskSpec(causal=True), MaskSpec(window=(20, 3)),
+                                  MaskSpec(causal=True, window=(30, 0))], ids=str)
+def test_tile_lists_match_brute_force(kind, mask):
+    """Counts and the "fully visible first" order against pair-by-pair visibility."""
+    Tq, Tk, bq, bk = 64, 50, 16, 8
+    qp, kp = positions(kind, Tq, Tk)
+    Lk = -(-Tk // bk) * bk
+    kp_pad = np.concatenate([kp, np.full(Lk - Tk, kp[-1])]).astype(np.int32)
+    tbl = np.asarray(tile_lists(mask, jnp.asarray(qp[None], jnp.int32), jnp.asarray(kp_pad),
+                                Tk, bq, bk, has_seg=False))
+    vis = np.asarray(mask.visible(jnp.asarray(qp), jnp.asarray(kp)))  # [Tq, Tk]
+    vis = np.pad(vis, ((0, 0), (0, Lk - Tk)))
+    for i in range(Tq // bq):
+        tiles = vis[i * bq:(i + 1) * bq].reshape(bq, Lk // bk, bk)
+        any_vis = tiles.any(axis=(0, 2))
+        all_vis = tiles.all(axis=(0, 2))
+        count, n_full, blocks = tbl[0, i, 0], tbl[0, i, 1], tbl[0, i, 2:]
+        listed = set(blocks[:count].tolist())
+        assert set(np.flatnonzero(any_vis)) <= listed, "a visible tile was dropped"
+        assert set(blocks[:n_full].tolist()) <= set(np.flatnonzero(all_vis)), \
+            "a tile marked fully visible has a masked pair"
+        assert len(listed) == count, "a tile is listed twice"
+
+
+def test_tile_lists_skip_tiles_for_causal():
+    """Causal contiguous: query block i lists exactly blocks 0..i, all but the diagonal full."""
+    pos = jnp.arange(64, dtype=jnp.int32)
+    tbl = np.asarray(tile_lists(MaskSpec(causal=True), pos[None], pos, 64, 16, 16, False))
+    for i in range(4):
+        assert tbl[0, i, 0] == i + 1 and tbl[0, i, 1] == i
+        assert list(tbl[0, i, 2:2 + i + 1]) == list(range(i)) + [i]
+
+
+# ------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(block_q=48), "power of two"), (dict(block_k=8), ">= 16"),
+    (dict(num_warps=3), "power of two"), (dict(num_stages=0), "positive"),
+])
+def test_config_validation(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        PallasConfig(**kw)
+
+
+def test_config_type_checked():
+    with pytest.raises(TypeError, match="config"):
+        PallasKernel(config={"block_q": 64})
+
+
+@pytest.mark.parametrize("request_kw,pattern", [
+    (dict(head_dim=32), "head_dim=32"),
+    (dict(dtype="float64"), "dtype float64"),
+    (dict(mask=MaskSpec(block_mask=BlockMask(np.eye(4, dtype=bool), 16))), "block_mask"),
+])
+def test_refuses_what_it_cannot_do(request_kw, pattern):
+    req = dict(platform="gpu", dtype="bfloat16", head_dim=128, mask=MaskSpec())
+    req.update(request_kw)
+    with pytest.raises(NotImplementedError, match=pattern):
+        get_kernel("pallas", KernelRequest(**req))
+
+
+def test_auto_falls_back_to_xla_for_block_masks_on_gpu():
+    mask = MaskSpec(block_mask=BlockMask(np.eye(4, dtype=bool), 16))
+    kern = get_kernel("auto", KernelRequest(platform="gpu", dtype="bfloat16", head_dim=128,
+                                            mask=mask))
+    assert kern.name == "xla"
+    assert get_kernel("auto", KernelRequest(platform="gpu", dtype="bfloat16", head_dim=128,
+                                            mask=MaskSpec())).name == "pallas"
+
+
+def test_auto_on_cpu_is_xla_and_pallas_by_name_interprets():
+    req = KernelRequest(platform="cpu", dtype="float32", head_dim=64, mask=MaskSpec())
+    assert get_kernel("auto", req).name == "xla"  # interpret mode is for tests only
+    kern = get_kernel("pallas", req)
+    assert kern.name == "pallas" and kern._interpret()
