@@ -90,9 +90,12 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
     T = S // G
     lengths = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
                else kv_lengths.astype(jnp.int32))
+    # "auto" means the xla kernel here: the Pallas kernel has no split-K path yet, so with
+    # a few query rows it would run one program per (batch, head) walking the whole cache
+    # shard in sequence.  The decode numbers in RESULTS.md were measured with xla.
     cfg = make_config(q, k_cache, axis_name=axis, causal=causal, window=None,
                       segment_ids=lengths, scale=scale, layout="contiguous",
-                      backward="kv", kernel=kernel)
+                      backward="kv", kernel="xla" if kernel == "auto" else kernel)
 
     def tree(q, k, v, lengths):
         idx = lax.axis_index(axis)
