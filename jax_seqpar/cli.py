@@ -57,8 +57,8 @@ def cmd_info(args) -> int:
     for d in devs:
         where = f", process {d.process_index}" if proc.process_count > 1 else ""
         print(f"  {d.id}: {d.device_kind} ({d.platform}{where})")
-    print(f"kernel backends: {', '.join(available_kernels())}"
-          f" (planned: {', '.join(PLANNED_KERNELS)})")
+    planned = f" (planned: {', '.join(PLANNED_KERNELS)})" if PLANNED_KERNELS else ""
+    print(f"kernel backends: {', '.join(available_kernels())}{planned}")
     return 0
 
 

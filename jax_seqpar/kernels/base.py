@@ -31,7 +31,6 @@ from jax_seqpar.masks import MaskSpec
 
 #: Backends that later work will add; asking for them explains rather than "unknown".
 PLANNED_KERNELS: Dict[str, str] = {
-    "flash_attn": "the flash-attn-jax adapter is not implemented yet",
 }
 
 

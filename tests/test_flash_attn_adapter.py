@@ -1,0 +1,144 @@
+"""The flash-attn-jax adapter (kernels/flash_attn.py), against a stand-in module.
+
+flash-attn-jax needs a CUDA GPU, so here a stand-in with the same two functions and
+FlashAttention-2's mask convention (written from its documentation, in jnp) is installed
+as ``flash_attn_jax.flash``.  This checks the adapter's translation -- positions to window
+sides, lse layout, dtypes, what it refuses -- not the CUDA kernels themselves, which
+``benchmarks/kernels.py`` compares with the reference on a GPU when the package is present.
+"""
+
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import BF16, assert_close, make_cotangent, make_qkv, reference_fwd_bwd
+from jax_seqpar.kernels import FlashAttnKernel, get_kernel
+from jax_seqpar.kernels.base import KernelRequest
+from jax_seqpar.kernels.flash_attn import flash_window
+from jax_seqpar.masks import MaskSpec
+
+D = 32
+
+
+def _band(Tq, Tk, window):
+    """FlashAttention-2: row i sees j in [i + Tk - Tq - left, i + Tk - Tq + right]."""
+    left, right = window
+    i, j = np.arange(Tq)[:, None], np.arange(Tk)[None, :]
+    c = i + Tk - Tq
+    ok = np.ones((Tq, Tk), bool)
+    if left >= 0:
+        ok &= j >= c - left
+    if right >= 0:
+        ok &= j <= c + right
+    return jnp.asarray(ok)
+
+
+def _stand_in_fwd(q, k, v, softmax_scale, is_causal, window_size):
+    assert not is_causal and q.dtype in (jnp.bfloat16, jnp.float16)
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kk) * softmax_scale
+    s = jnp.where(_band(q.shape[1], k.shape[1], window_size), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), vv)
+    return out.astype(q.dtype), lse
+
+
+def _stand_in_bwd(dout, q, k, v, out, lse, softmax_scale, is_causal, window_size):
+    _, vjp = jax.vjp(lambda q, k, v: _stand_in_fwd(q, k, v, softmax_scale, is_causal,
+                                                    window_size)[0], q, k, v)
+    return vjp(dout)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    pkg = types.ModuleType("flash_attn_jax")
+    mod = types.ModuleType("flash_attn_jax.flash")
+    mod._flash_mha_fwd, mod._flash_mha_bwd = _stand_in_fwd, _stand_in_bwd
+    pkg.flash = mod
+    monkeypatch.setitem(sys.modules, "flash_attn_jax", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn_jax.flash", mod)
+    return mod
+
+
+@pytest.mark.parametrize("mask,q0,k0,Tq,Tk", [
+    (MaskSpec(), 0, 0, 24, 40),                              # dense: positions irrelevant
+    (MaskSpec(causal=True), 16, 0, 24, 40),                  # queries at the end
+    (MaskSpec(causal=True), 0, 0, 32, 32),                   # a diagonal ring block
+    (MaskSpec(causal=True), 100, 20, 16, 32),                # queries far after the keys
+    (MaskSpec(window=(5, 3)), 16, 0, 24, 40),
+    (MaskSpec(causal=True, window=(7, 0)), 10, 4, 20, 24),
+], ids=["dense", "causal_end", "causal_diag", "causal_far", "window", "causal_window"])
+def test_matches_reference(stand_in, mask, q0, k0, Tq, Tk):
+    kern = FlashAttnKernel()
+    q, k, v = make_qkv(1, B=2, S=Tq, Sk=Tk, Hq=4, Hkv=2, D=D, dtype=BF16)
+    do = make_cotangent(1, q.shape, BF16)
+    qp = np.arange(Tq, dtype=np.int32) + q0
+    kp = np.arange(Tk, dtype=np.int32) + k0
+    o, lse = kern.fwd(q, k, v, qp, kp, mask, D ** -0.5)
+    grads = kern.bwd(q, k, v, o, lse, do, qp, kp, mask, D ** -0.5)
+    ro, rlse, rgrads = reference_fwd_bwd(q, k, v, do, q_pos=jnp.asarray(qp),
+                                         kv_pos=jnp.asarray(kp), causal=mask.causal,
+                                         window=mask.window, scale=D ** -0.5)
+    assert o.dtype == jnp.float32 and lse.shape == (2, 4, Tq)
+    assert_close(o, ro, 2e-2, "out")
+    assert_close(lse, rlse, 1e-3, "lse")
+    for name, g, r in zip("qkv", grads, rgrads):
+        assert g.dtype == jnp.float32
+        assert_close(g, r, 2e-2, f"d{name}")
+
+
+def test_window_translation():
+    # causal, queries at the end of the keys: FlashAttention's own causal band
+    assert flash_window(MaskSpec(causal=True), np.arange(8, 12), np.arange(12), 4, 12) == (-1, 0)
+    # causal on a diagonal block of a ring step: the same band
+    assert flash_window(MaskSpec(causal=True), np.arange(64, 96), np.arange(64, 96), 32, 32) == (-1, 0)
+    # queries 10 positions after the keys' band: right side 10
+    assert flash_window(MaskSpec(causal=True), np.arange(20, 24), np.arange(14), 4, 14) == (-1, 10)
+
+
+@pytest.mark.parametrize("q_pos,kv_pos,pattern", [
+    (np.arange(0, 8), np.arange(8, 16), "negative window side"),  # keys after queries
+    (np.array([0, 2, 4, 6]), np.arange(8), "contiguous q_pos"),     # a striped shard
+])
+def test_refuses_what_flash_cannot_express(stand_in, q_pos, kv_pos, pattern):
+    q, k, v = make_qkv(2, B=1, S=len(q_pos), Sk=len(kv_pos), Hq=2, Hkv=2, D=D, dtype=BF16)
+    with pytest.raises(NotImplementedError, match=pattern):
+        FlashAttnKernel().fwd(q, k, v, q_pos, kv_pos, MaskSpec(causal=True), 0.2)
+
+
+def test_refuses_traced_positions_for_causal(stand_in):
+    q, k, v = make_qkv(3, B=1, S=8, Hq=2, Hkv=2, D=D, dtype=BF16)
+    f = jax.jit(lambda qp: FlashAttnKernel().fwd(q, k, v, qp, jnp.arange(8), MaskSpec(causal=True), 0.2))
+    with pytest.raises(NotImplementedError, match="static q_pos"):
+        f(jnp.arange(8))
+
+
+def test_refuses_backward_without_o(stand_in):
+    q, k, v = make_qkv(4, B=1, S=8, Hq=2, Hkv=2, D=D, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="needs the output o"):
+        FlashAttnKernel().bwd(q, k, v, None, jnp.zeros((1, 2, 8)), q, np.arange(8),
+                              np.arange(8), MaskSpec(), 0.2, delta=jnp.zeros((1, 2, 8)))
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(dtype="float32"), "supports"), (dict(head_dim=260), "head_dim=260"),
+    (dict(has_segments=True), "segment ids"),
+])
+def test_check_refusals(stand_in, kw, pattern):
+    req = dict(platform="gpu", dtype="bfloat16", head_dim=128, mask=MaskSpec())
+    req.update(kw)
+    with pytest.raises(NotImplementedError, match=pattern):
+        get_kernel("flash_attn", KernelRequest(**req))
+
+
+def test_missing_package_is_explained(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn_jax", None)  # import fails
+    req = KernelRequest(platform="gpu", dtype="bfloat16", head_dim=128, mask=MaskSpec())
+    with pytest.raises(NotImplementedError, match="needs the flash-attn-jax package"):
+        get_kernel("flash_attn", req)
+    assert get_kernel("auto", req).name != "flash_attn"
