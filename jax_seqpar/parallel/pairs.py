@@ -23,6 +23,8 @@ predicate): the mask-free calls have none.  Segment ids are still applied.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -53,12 +55,13 @@ def _general(cfg, q_pos, kv_pos, nothing, compute):
 
 
 def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same: bool,
-             general: bool = False):
+             half: Optional[int] = None):
     """Float32 ``(o, lse)`` of this pair (``o = 0, lse = -inf`` where nothing is visible).
 
     ``q_dev`` / ``kv_dev`` are the (traced) devices owning the queries and keys; ``same``
-    says statically that they are one device.  ``general=True`` takes the bounds-checked
-    general path whatever the layout (for queries that are a subset of a shard's rows).
+    says statically that they are one device.  ``half`` (0 or 1): ``q``, ``q_pos`` and
+    ``q_seg`` are only the first or the second half of the query device's rows
+    (sequence-selective checkpointing, ``selective.py``); see ``_half_fwd``.
     """
     B, T, Hq, D = q.shape
 
@@ -69,9 +72,12 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
     def call(qs, ks, vs, qp, kp, qsg, ksg, mask):
         return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
 
-    if general or not _structured(cfg) or (same and T % 2):
+    if not _structured(cfg) or (same and k.shape[1] % 2):
         return _general(cfg, q_pos, kv_pos, empty,
                         lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
+    if half is not None:
+        return _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev,
+                         kv_dev, same=same, half=half)
 
     h = T // 2
     first, second = slice(0, h), slice(h, T)
@@ -99,6 +105,33 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
         return o0.at[:, second].set(o2), lse0.at[..., second].set(lse2)
 
     return lax.cond(kv_dev < q_dev, earlier, later)
+
+
+def _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *,
+              same: bool, half: int):
+    """``pair_fwd`` for one half of the query rows under a structured causal layout.
+
+    The halves of a block hold its earlier and later positions (zigzag: chunks ``i`` and
+    ``2G-1-i``), so, with ``a``/``b`` the first/second key half:
+
+    * same device: the first rows see ``a`` causally; the second see ``a`` fully and ``b``
+      causally;
+    * contiguous, other device: all keys if ``kv_dev < q_dev``, none otherwise;
+    * zigzag, other device: if ``kv_dev < q_dev`` both halves see ``a`` only; otherwise
+      the first rows see nothing and the second see ``a`` and ``b``.
+    """
+    h = k.shape[1] // 2
+    a, b = slice(0, h), slice(h, None)
+
+    def keys(sl, mask):
+        return call(q, k[:, sl], v[:, sl], q_pos, kv_pos[sl], q_seg, _seg(kv_seg, sl), mask)
+
+    if same:
+        return keys(a, cfg.mask) if half == 0 else merge(*keys(a, _DENSE), *keys(b, cfg.mask))
+    if cfg.layout == "contiguous":
+        return lax.cond(kv_dev < q_dev, lambda: keys(slice(None), _DENSE), empty)
+    later = empty if half == 0 else (lambda: keys(slice(None), _DENSE))
+    return lax.cond(kv_dev < q_dev, lambda: keys(a, _DENSE), later)
 
 
 def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *,

@@ -105,19 +105,20 @@ def _positions(cfg: AttnConfig, shard, T: int, G: int):
 
 
 @jax.named_scope(FWD_SCOPE)
-def _ring_forward(cfg: AttnConfig, q, k, v, seg, rows: Optional[slice] = None):
+def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
     """Returns float32 ``o`` ``[B, T, Hq, D]`` and ``lse`` ``[B, Hq, T]``.
 
-    With ``rows``, only those query rows of the shard are computed (``o`` ``[B, n, Hq, D]``,
-    ``lse`` ``[B, Hq, n]``), through the bounds-checked general path of ``pairs.py``:
-    sequence-level selective checkpointing (``selective.py``) computes a shard's earlier
-    and later rows as separate values, so that a policy can keep only the later ones.
+    With ``half`` (0 or 1), only the first or the second half of the shard's query rows
+    (``o`` ``[B, T/2, Hq, D]``, ``lse`` ``[B, Hq, T/2]``): sequence-selective
+    checkpointing (``selective.py``) computes them as separate values, so that a policy
+    can keep only the later ones.
     """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
     q_pos, q_seg = _positions(cfg, idx, T, G), seg
-    if rows is not None:
+    if half is not None:
+        rows = slice(0, T // 2) if half == 0 else slice(T // 2, T)
         q, q_pos, q_seg = q[:, rows], q_pos[rows], None if seg is None else seg[:, rows]
     n_rows = q.shape[1]
     o = jnp.zeros((B, n_rows, Hq, D), F32)
@@ -127,7 +128,7 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, rows: Optional[slice] = None):
     def visit(o, lse, block, src, same=False):
         kc, vc, sc = block
         o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), q_seg, sc,
-                              idx, src, same=same, general=rows is not None)
+                              idx, src, same=same, half=half)
         return merge(o, lse, o_s, lse_s)
 
     o, lse = visit(o, lse, (k, v, seg), idx, same=True)

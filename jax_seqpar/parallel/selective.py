@@ -7,8 +7,10 @@ part.  So store the later part and recompute only the earlier one.
 
 Here the forward computes the attention of each shard's query rows in two groups, the
 first half and the second half of the shard, each by its own pass along the ring
-(``ring._ring_forward`` with ``rows``; XLA merges the two passes' identical key/value
-transfers).  The later group's ``(o, lse)`` are separate values, tagged
+(``ring._ring_forward`` with ``half``; XLA merges the two passes' identical key/value
+transfers).  Under the causal contiguous and zigzag layouts each half takes exactly its
+visible part of every device pair with mask-free kernel calls (``pairs._half_fwd``), so
+the two passes together do the work of one.  The later group's ``(o, lse)`` are separate values, tagged
 ``ATTN_OUT_LATE`` / ``ATTN_LSE_LATE`` with ``checkpoint_name``; the concatenated
 ``(o, lse)`` are tagged ``ATTN_OUT`` / ``ATTN_LSE`` like the plain ring's.  Inside
 ``jax.checkpoint`` with ``jax_seqpar.remat.seq_selective_policy()``, the backward keeps
@@ -61,11 +63,10 @@ def _selective(cfg: AttnConfig, q, k, v, seg):
 
 
 def _selective_fwd(cfg: AttnConfig, q, k, v, seg):
-    h = q.shape[1] // 2
     with jax.named_scope(EARLY_SCOPE):
-        o1, lse1 = ring._ring_forward(cfg, q, k, v, seg, rows=slice(0, h))
+        o1, lse1 = ring._ring_forward(cfg, q, k, v, seg, half=0)
     with jax.named_scope(LATE_SCOPE):
-        o2, lse2 = ring._ring_forward(cfg, q, k, v, seg, rows=slice(h, None))
+        o2, lse2 = ring._ring_forward(cfg, q, k, v, seg, half=1)
     o2 = checkpoint_name(o2.astype(q.dtype), ATTN_OUT_LATE)
     lse2 = checkpoint_name(lse2, ATTN_LSE_LATE)
     o = checkpoint_name(jnp.concatenate([o1.astype(q.dtype), o2], axis=1), ATTN_OUT)
