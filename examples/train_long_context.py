@@ -1,0 +1,204 @@
+"""Train the Llama-style model on a long-range retrieval task, sequence-parallel.
+
+Task (key/value retrieval over thousands of tokens): each sequence is filler tokens with
+``--pairs`` "fact" tokens scattered over its first half, each standing for one (key,
+value) pair (one token per pair: ``--keys * --values`` fact tokens).  Its last
+``2 * --pairs`` tokens ask for every key again, in a new order, each followed by its
+value.  The loss and the accuracy count only those answers, which the model can get
+right only by attending from the end of the sequence to the fact with that key,
+thousands of tokens earlier; chance is ``1 / --values``.  (With the key and the value as
+two separate tokens the task needs an induction head, which this small model does not
+form within a few minutes of CPU training; one token per fact needs one attention hop.)
+
+The sequence is split over all devices (8 simulated CPU devices by default; the GPUs
+when present) with the library's ring attention; the model permutes its tokens into
+``--layout`` order once, at the input.  AdamW with warmup + cosine decay (optax).
+
+    python examples/train_long_context.py                        # CPU, a few minutes
+    python examples/train_long_context.py --seq-len 4096 --layout striped --backward q
+
+Writes ``<out>/train_log.json`` (loss and accuracy per step) and ``<out>/loss.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices on the sequence axis (default: all; 8 simulated on CPU)")
+    p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag", "striped"])
+    p.add_argument("--backward", default="auto", choices=["auto", "kv", "q"])
+    p.add_argument("--remat", default="none",
+                   choices=["none", "full", "attention", "seq_selective"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--pairs", type=int, default=4, help="key/value pairs per sequence")
+    p.add_argument("--keys", type=int, default=8, help="distinct keys")
+    p.add_argument("--values", type=int, default=8, help="distinct values")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--block", type=int, default=256, help="xla kernel tile size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--out", default="examples/out")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+# Before JAX starts: simulated CPU devices (the flag only affects the host platform).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={ARGS.devices or 8}")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+from jax_seqpar.kernels import XlaKernel  # noqa: E402
+from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
+
+
+class RecallTask:
+    """Token ids: 0 unused, then key tokens, value tokens, filler, fact tokens."""
+
+    def __init__(self, seq_len, pairs, keys, values, filler=32):
+        if pairs > keys:
+            raise ValueError(f"--pairs={pairs} must not exceed --keys={keys} (keys are "
+                             f"distinct within a sequence)")
+        if 4 * pairs >= seq_len:
+            raise ValueError(f"--seq-len={seq_len} is too short for --pairs={pairs}")
+        self.seq_len, self.pairs = seq_len, pairs
+        self.keys, self.values, self.filler = keys, values, filler
+        self.key0, self.val0 = 1, 1 + keys
+        self.fill0 = self.val0 + values
+        self.fact0 = self.fill0 + filler
+        self.vocab = self.fact0 + keys * values
+
+    def batch(self, rng: np.random.Generator, batch: int):
+        """``tokens`` ``[B, S]`` and ``loss_mask`` ``[B, S]`` (True on the answers)."""
+        S, n = self.seq_len, self.pairs
+        toks = rng.integers(self.fill0, self.fill0 + self.filler, size=(batch, S))
+        mask = np.zeros((batch, S), bool)
+        for b in range(batch):
+            keys = rng.choice(self.keys, size=n, replace=False)
+            vals = rng.integers(0, self.values, size=n)
+            facts = rng.choice(S // 2, size=n, replace=False)  # in the first half
+            toks[b, facts] = self.fact0 + keys * self.values + vals
+            order = rng.permutation(n)
+            q = S - 2 * n + 2 * np.arange(n)
+            toks[b, q], toks[b, q + 1] = self.key0 + keys[order], self.val0 + vals[order]
+            mask[b, q + 1] = True
+        return jnp.asarray(toks, jnp.int32), jnp.asarray(mask)
+
+
+def main():
+    a = ARGS
+    G = a.devices or jax.device_count()
+    if G > jax.device_count():
+        raise SystemExit(f"--devices={G} but JAX sees {jax.device_count()} devices")
+    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                         axis_types=(AxisType.Auto,))
+    task = RecallTask(a.seq_len, a.pairs, a.keys, a.values)
+    cfg = LlamaConfig(vocab_size=task.vocab, d_model=a.d_model, num_layers=a.layers,
+                      num_heads=a.heads, num_kv_heads=a.kv_heads, remat=a.remat)
+    model = Llama(cfg, mesh=mesh, layout=a.layout, backward=a.backward,
+                  kernel=XlaKernel(block_q=a.block, block_k=a.block))
+    rng = np.random.default_rng(a.seed)
+    params = jax.jit(model.init)(jax.random.key(a.seed), task.batch(rng, 1)[0])
+    schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, max(a.steps, a.warmup + 1),
+                                                  end_value=a.lr / 10)
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01))
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state, toks, mask):
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda p: next_token_loss(model, p, toks, loss_mask=mask), has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"JAX {jax.__version__}; layout={a.layout}, backward={a.backward}, remat={a.remat}")
+    print(f"model: {n_params:,} parameters, {cfg.num_layers} layers, d_model {cfg.d_model}; "
+          f"task: {a.batch} x {a.seq_len} tokens, {a.pairs} pairs, chance accuracy "
+          f"{1 / a.values:.3f}")
+    log, t0 = [], time.perf_counter()
+    steps = range(a.steps)
+    try:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc="train", dynamic_ncols=True)
+    except ImportError:
+        pass
+    for step in steps:
+        toks, mask = task.batch(rng, a.batch)
+        params, opt_state, m = train_step(params, opt_state, toks, mask)
+        if step % a.log_every == 0 or step == a.steps - 1:
+            row = {"step": step, "loss": float(m["loss"]), "accuracy": float(m["accuracy"]),
+                   "seconds": time.perf_counter() - t0}
+            log.append(row)
+            msg = f"step {step:4d}  loss {row['loss']:.3f}  accuracy {row['accuracy']:.3f}"
+            (steps.set_postfix_str(msg[10:]) if hasattr(steps, "set_postfix_str")
+             else print(msg, flush=True))
+    wall = time.perf_counter() - t0
+    ev_rng = np.random.default_rng(a.seed + 1)
+    evaluate = jax.jit(lambda p, t, m: next_token_loss(model, p, t, loss_mask=m)[1])
+    evals = [evaluate(params, *task.batch(ev_rng, a.batch)) for _ in range(4)]
+    ev_loss = float(np.mean([e["loss"] for e in evals]))
+    ev_acc = float(np.mean([e["accuracy"] for e in evals]))
+    first, last = log[0], log[-1]
+    print(f"\nfirst logged: loss {first['loss']:.3f}, accuracy {first['accuracy']:.3f}; "
+          f"last: loss {last['loss']:.3f}, accuracy {last['accuracy']:.3f}")
+    print(f"held-out ({4 * a.batch} sequences): loss {ev_loss:.3f}, accuracy {ev_acc:.3f} "
+          f"(chance {1 / a.values:.3f}); {a.steps} steps in {wall:.0f} s")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "train_log.json"), "w") as f:
+        json.dump({"args": vars(a), "devices": G, "backend": jax.default_backend(),
+                   "jax": jax.__version__, "log": log, "eval_loss": ev_loss,
+                   "eval_accuracy": ev_acc, "wall_s": wall}, f, indent=1)
+    plot(log, 1 / a.values, os.path.join(a.out, "loss.png"), a, G)
+
+
+def plot(log, chance, path, a, G):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no plot")
+        return
+    steps = [r["step"] for r in log]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.plot(steps, [r["loss"] for r in log])
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss on the answers")
+    ax2.plot(steps, [r["accuracy"] for r in log], label="train batch")
+    ax2.axhline(chance, color="gray", ls="--", label="chance")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("answer accuracy")
+    ax2.legend()
+    fig.suptitle(f"key/value retrieval, {a.seq_len} tokens over {G} {jax.default_backend()} "
+                 f"devices ({a.layout}, backward={a.backward}, remat={a.remat})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
