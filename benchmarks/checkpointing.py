@@ -25,14 +25,12 @@ Saves JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
 import _setup  # noqa: F401,E402  (before JAX: device count, sys.path)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 from jax_seqpar.kernels import XlaKernel  # noqa: E402

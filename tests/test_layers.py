@@ -53,7 +53,9 @@ def rope_complex(x, pos, theta=10000.0):
 
 def plain_layer(params, x, seg=None, *, causal=False, window=None):
     """Single-device attention layer with the parameter tree of SeqParallelAttention."""
-    proj = lambda name: jnp.einsum("bsd,dhk->bshk", x, params[name]["kernel"], precision=HI)  # noqa: E731
+    def proj(name):
+        return jnp.einsum("bsd,dhk->bshk", x, params[name]["kernel"], precision=HI)
+
     q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
     pos = jnp.arange(x.shape[1])
     q, k = rope_complex(q, pos), rope_complex(k, pos)

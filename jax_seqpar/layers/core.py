@@ -25,6 +25,7 @@ from jax_seqpar.layers.rope import apply_rope
 from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
+from jax_seqpar.remat import seq_selective_attention
 
 F32 = jnp.float32
 
@@ -122,7 +123,6 @@ class SeqParallelOptions:
                   window=self.window, segment_ids=segment_ids, layout=self.layout,
                   permuted=self.permuted, backward=self.backward, kernel=self.kernel)
         if self.seq_selective:
-            from jax_seqpar.remat import seq_selective_attention
             return seq_selective_attention(q, k, v, **kw)
         return attention(q, k, v, strategy=self.strategy, **kw)
 

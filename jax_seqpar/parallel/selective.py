@@ -10,7 +10,7 @@ first half and the second half of the shard, each by its own pass along the ring
 (``ring._ring_forward`` with ``half``; XLA merges the two passes' identical key/value
 transfers).  Under the causal contiguous and zigzag layouts each half takes exactly its
 visible part of every device pair with mask-free kernel calls (``pairs._half_fwd``), so
-the two passes together do the work of one.  The later group's ``(o, lse)`` are separate values, tagged
+the two passes together do the work of one.  The later group's ``(o, lse)`` are tagged
 ``ATTN_OUT_LATE`` / ``ATTN_LSE_LATE`` with ``checkpoint_name``; the concatenated
 ``(o, lse)`` are tagged ``ATTN_OUT`` / ``ATTN_LSE`` like the plain ring's.  Inside
 ``jax.checkpoint`` with ``jax_seqpar.remat.seq_selective_policy()``, the backward keeps
