@@ -75,3 +75,16 @@ def rel(a, b) -> float:
 
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend, or None (with a message)
+    where matplotlib is not installed (the GPU image may lack it)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: no plot")
+        return None
+    return plt

@@ -27,7 +27,8 @@ from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
 from jax_seqpar.parallel.ring import ring_shape  # noqa: E402
 
-from _util import choose_preset, env_info, out_dir, progress, rel, save_json, time_fn  # noqa: E402
+from _util import (choose_preset, env_info, out_dir, progress, pyplot, rel,  # noqa: E402
+                   save_json, time_fn)
 
 PRESETS = {
     "cpu": dict(devices=[2, 4, 8], heads=[(8, 8), (8, 2)], seq=[512, 2048], head_dim=64,
@@ -102,12 +103,8 @@ def print_table(rows):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for scheme, marker in (("kv", "o"), ("q", "s")):

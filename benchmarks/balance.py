@@ -24,7 +24,8 @@ import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.schedule import tile_counts  # noqa: E402
-from _util import choose_preset, env_info, out_dir, rel, save_json, time_fn  # noqa: E402
+from _util import (choose_preset, env_info, out_dir, pyplot, rel, save_json,  # noqa: E402
+                   time_fn)
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 PRESETS = {
@@ -94,10 +95,8 @@ def main():
     d = out_dir()
     save_json({"env": info, "preset": preset, "config": cfg, "rows": rows},
               os.path.join(d, f"balance_{preset}.json"))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for i, r in enumerate(rows):
             ax.bar([x + 0.27 * i for x in range(G)], r["tiles"], width=0.27, label=r["layout"])
@@ -106,8 +105,6 @@ def main():
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(d, f"balance_{preset}.png"), dpi=110)
-    except ImportError:
-        print("matplotlib not available: no plot")
     ok = all(r["check_err"] <= tol for r in rows)
     print("CHECKS:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

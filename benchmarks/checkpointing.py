@@ -36,8 +36,8 @@ from jax.sharding import AxisType  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
 from jax_seqpar.remat import ring_transfer_counts  # noqa: E402
-from _util import (choose_preset, env_info, out_dir, progress, rel, save_json,  # noqa: E402
-                   time_fn)
+from _util import (choose_preset, env_info, out_dir, progress, pyplot, rel,  # noqa: E402
+                   save_json, time_fn)
 
 MODES = ("none", "full", "attention", "seq_selective")
 PRESETS = {
@@ -147,12 +147,8 @@ def _num(x):
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for r in rows:

@@ -28,7 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import analyze_hlo  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
-from _util import choose_preset, env_info, out_dir, rel, save_json, time_fn  # noqa: E402
+from _util import (choose_preset, env_info, out_dir, pyplot, rel, save_json,  # noqa: E402
+                   time_fn)
 
 PRESETS = {
     "cpu": dict(devices=[2, 8], contexts=[8192], batches=[1, 4], tq=[1, 4], heads=(8, 2),
@@ -134,12 +135,8 @@ def table(rows):
 
 def plot(rows, path):
     """Latency vs context, one panel per (devices, batch), Tq = 1 solid, Tq = 4 dashed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not available: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     Gs = sorted({r["devices"] for r in rows})
     Bs = sorted({r["batch"] for r in rows})
