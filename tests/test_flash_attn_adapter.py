@@ -2,7 +2,7 @@
 
 flash-attn-jax needs a CUDA GPU, so here a stand-in with the same two functions and
 FlashAttention-2's mask convention (written from its documentation, in jnp) is installed
-as ``flash_attn_jax.flash``.  This checks the adapter's translation -- positions to window
+as ``flash_attn_jax.flash_fwd`` / ``flash_bwd`` (the 0.6.x layout).  This checks the adapter's translation -- positions to window
 sides, lse layout, dtypes, what it refuses -- not the CUDA kernels themselves, which
 ``benchmarks/kernels.py`` compares with the reference on a GPU when the package is present.
 """
@@ -37,8 +37,9 @@ def _band(Tq, Tk, window):
     return jnp.asarray(ok)
 
 
-def _stand_in_fwd(q, k, v, softmax_scale, is_causal, window_size):
+def _stand_in_fwd(q, k, v, *, softmax_scale, is_causal, window_size_left, window_size_right):
     assert not is_causal and q.dtype in (jnp.bfloat16, jnp.float16)
+    window_size = (window_size_left, window_size_right)
     g = q.shape[2] // k.shape[2]
     kk, vv = (jnp.repeat(x.astype(jnp.float32), g, axis=2) for x in (k, v))
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kk) * softmax_scale
@@ -48,21 +49,22 @@ def _stand_in_fwd(q, k, v, softmax_scale, is_causal, window_size):
     return out.astype(q.dtype), lse
 
 
-def _stand_in_bwd(dout, q, k, v, out, lse, softmax_scale, is_causal, window_size):
-    _, vjp = jax.vjp(lambda q, k, v: _stand_in_fwd(q, k, v, softmax_scale, is_causal,
-                                                    window_size)[0], q, k, v)
+def _stand_in_bwd(dout, q, k, v, out, lse, **kw):
+    _, vjp = jax.vjp(lambda q, k, v: _stand_in_fwd(q, k, v, **kw)[0], q, k, v)
     return vjp(dout)
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     pkg = types.ModuleType("flash_attn_jax")
-    mod = types.ModuleType("flash_attn_jax.flash")
-    mod._flash_mha_fwd, mod._flash_mha_bwd = _stand_in_fwd, _stand_in_bwd
-    pkg.flash = mod
+    fwd = types.ModuleType("flash_attn_jax.flash_fwd")
+    bwd = types.ModuleType("flash_attn_jax.flash_bwd")
+    fwd.flash_mha_fwd, bwd.flash_mha_bwd = _stand_in_fwd, _stand_in_bwd
+    pkg.flash_fwd, pkg.flash_bwd = fwd, bwd
     monkeypatch.setitem(sys.modules, "flash_attn_jax", pkg)
-    monkeypatch.setitem(sys.modules, "flash_attn_jax.flash", mod)
-    return mod
+    monkeypatch.setitem(sys.modules, "flash_attn_jax.flash_fwd", fwd)
+    monkeypatch.setitem(sys.modules, "flash_attn_jax.flash_bwd", bwd)
+    return pkg
 
 
 @pytest.mark.parametrize("mask,q0,k0,Tq,Tk", [

@@ -1,10 +1,13 @@
 """Optional backend over flash-attn-jax (FlashAttention-2 CUDA kernels), imported lazily.
 
-flash-attn-jax exposes, next to its differentiable ``flash_mha``, the two halves this
-library's contract needs (module ``flash_attn_jax.flash``)::
+flash-attn-jax (0.6.x) exposes, next to its differentiable ``flash_mha``, the two halves
+this library's contract needs::
 
-    _flash_mha_fwd(q, k, v, softmax_scale, is_causal, window_size) -> (out, lse)
-    _flash_mha_bwd(dout, q, k, v, out, lse, softmax_scale, is_causal, window_size)
+    flash_attn_jax.flash_fwd.flash_mha_fwd(q, k, v, *, softmax_scale, is_causal,
+                                           window_size_left, window_size_right)
+        -> (out, lse)
+    flash_attn_jax.flash_bwd.flash_mha_bwd(dout, q, k, v, out, lse, *, softmax_scale,
+                                           is_causal, window_size_left, window_size_right)
         -> (dq, dk, dv)
 
 with BSHD inputs (GQA/MQA native), ``lse`` float32 ``[B, H, Tq]`` and FlashAttention-2's
@@ -48,13 +51,16 @@ F32 = jnp.float32
 DTYPES = ("bfloat16", "float16")
 
 
-def _module():
+def _functions():
+    """``(flash_mha_fwd, flash_mha_bwd)`` of flash-attn-jax 0.6.x, or NotImplementedError."""
     try:
-        return importlib.import_module("flash_attn_jax.flash")
-    except ImportError as e:
+        fwd = importlib.import_module("flash_attn_jax.flash_fwd").flash_mha_fwd
+        bwd = importlib.import_module("flash_attn_jax.flash_bwd").flash_mha_bwd
+    except (ImportError, AttributeError) as e:
         raise NotImplementedError(
-            f"kernel='flash_attn' needs the flash-attn-jax package ({e}); see "
-            f"jax_seqpar/kernels/flash_attn.py for install notes") from None
+            f"kernel='flash_attn' needs the flash-attn-jax package, version 0.6.x ({e}); "
+            f"see jax_seqpar/kernels/flash_attn.py for install notes") from None
+    return fwd, bwd
 
 
 def _static_start(pos, name: str) -> int:
@@ -107,7 +113,7 @@ class FlashAttnKernel:
 
     def available(self) -> None:
         """Raise ``NotImplementedError`` unless flash-attn-jax imports."""
-        _module()
+        _functions()
 
     def check(self, request: KernelRequest) -> None:
         if str(request.dtype) not in DTYPES:
@@ -134,8 +140,8 @@ class FlashAttnKernel:
     def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
             kv_seg=None):
         window = self._args(q, k, q_pos, kv_pos, mask, q_seg)
-        out, lse = _module()._flash_mha_fwd(q, k, v, softmax_scale=float(scale),
-                                            is_causal=False, window_size=window)
+        out, lse = _functions()[0](q, k, v, softmax_scale=float(scale), is_causal=False,
+                                   window_size_left=window[0], window_size_right=window[1])
         return out.astype(F32), lse.astype(F32)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
@@ -145,9 +151,10 @@ class FlashAttnKernel:
             raise NotImplementedError("kernel='flash_attn' needs the output o in the "
                                       "backward (it derives delta from it); tree attention "
                                       "passes only delta: use kernel='pallas' or 'xla'")
-        dq, dk, dv = _module()._flash_mha_bwd(do.astype(q.dtype), q, k, v, o.astype(q.dtype),
-                                              lse.astype(F32), softmax_scale=float(scale),
-                                              is_causal=False, window_size=window)
+        dq, dk, dv = _functions()[1](do.astype(q.dtype), q, k, v, o.astype(q.dtype),
+                                     lse.astype(F32), softmax_scale=float(scale),
+                                     is_causal=False, window_size_left=window[0],
+                                     window_size_right=window[1])
         return dq.astype(F32), dk.astype(F32), dv.astype(F32)
 
 
