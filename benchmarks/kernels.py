@@ -18,6 +18,10 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
 
     python benchmarks/kernels.py                       # CPU: interpret-mode check only
     python benchmarks/kernels.py --phases check,bench  # on a GPU
+
+flash-attn-jax on a GPU machine without network: ``bash benchmarks/carry_flash_attn.sh
+pack`` here, carry ``.carry``, and ``source benchmarks/carry_flash_attn.sh unpack`` there
+before running this script.
 """
 
 from __future__ import annotations
