@@ -102,7 +102,9 @@ def _positions(kind, Tq, Tk):
     return qp, kp
 
 
-def check(kernels, dims, dtypes):
+def check(kernels, dims, dtypes, on_row=lambda rows: None):
+    """``on_row(rows)`` runs after every case (the caller saves, so a time limit that
+    stops the run keeps the cases already checked)."""
     rows = []
     for (name, case), D, dt in itertools.product(CHECK_CASES.items(), dims, dtypes):
         B, Tq, Tk, Hq, Hkv, pos, causal, window, seg = case
@@ -148,6 +150,7 @@ def check(kernels, dims, dtypes):
             print(f"check {name:18s} D={D:3d} {dt:8s} {kname:10s} out {errs[0]:.1e} "
                   f"dq {errs[1]:.1e} dk {errs[2]:.1e} dv {errs[3]:.1e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)
+            on_row(rows)
     return rows
 
 
@@ -306,7 +309,10 @@ def main():
                   ["bfloat16", "float16", "float32"] if on_gpu else ["float32", "bfloat16"])
         # on GPU the xla kernel is skipped here (the CPU tests cover it at length)
         ck = {n: k for n, k in kernels.items() if n != ("xla" if on_gpu else "flash_attn")}
-        result["check"] = check(ck, dims if on_gpu else [64], dtypes)
+        def save_partial(rows):
+            result["check"] = rows
+            save_json(result, path)
+        result["check"] = check(ck, dims if on_gpu else [64], dtypes, on_row=save_partial)
         ok &= all(r["ok"] for r in result["check"])
         save_json(result, path)
     tuned = {}
