@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.kernels.xla import attention_delta
+from jax_seqpar.layouts import shard_positions
 
 F32 = jnp.float32
 
@@ -119,7 +120,6 @@ def _gather(x, axis_name, axis):
 
 
 def _positions(cfg, T):
-    from jax_seqpar.layouts import shard_positions
     G = lax.axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
     kv_pos = shard_positions(cfg.layout, idx, T, G, stripe=cfg.stripe)
