@@ -18,7 +18,8 @@ from helpers import (BF16, F32, assert_close, assert_lse_close, make_cotangent, 
                      make_qkv, reference_fwd_bwd, sorted_segments, to_np32, tol)
 from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel, get_kernel
 from jax_seqpar.kernels.base import KernelRequest
-from jax_seqpar.kernels.pallas_gpu import tile_lists
+from jax_seqpar.kernels.pallas_gpu import (DEFAULT_CONFIGS, default_config,
+                                           forward_smem_bytes, tile_lists)
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import BlockMask, MaskSpec
 
@@ -195,6 +196,16 @@ def test_tile_lists_skip_tiles_for_causal():
 def test_config_validation(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         PallasConfig(**kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tiles_fit_hopper_shared_memory(head_dim, dtype):
+    # H100/H200: 227 KiB of shared memory per block; float32 tiles take twice the bytes
+    cfg = default_config(head_dim, dtype)
+    assert forward_smem_bytes(cfg, head_dim, dtype) <= 227 * 1024
+    if dtype != "float32":
+        assert cfg == DEFAULT_CONFIGS[head_dim]  # the measured defaults
 
 
 def test_config_type_checked():

@@ -23,7 +23,7 @@ A backend that cannot honour a request raises ``NotImplementedError`` saying why
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Optional, Protocol, Tuple
+from typing import Callable, Dict, Protocol, Tuple
 
 import jax
 

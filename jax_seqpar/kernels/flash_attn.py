@@ -17,11 +17,14 @@ mask convention: query row ``i`` sees key column ``j`` iff
 This adapter serves only requests it can express *exactly* in that convention:
 
 * bf16 / f16 inputs, no segment ids, no block mask;
-* a dense mask (positions do not matter), or causal / window masks with *static*,
+* a dense mask (positions do not matter), or causal / window masks with *concrete*,
   contiguous positions (``q_pos = q0 + arange(Tq)``, ``kv_pos = k0 + arange(Tk)``) whose
   offset maps onto non-negative window sides and leaves no query row without a key.
-  Inside a ring the positions depend on ``lax.axis_index`` (traced), so there a causal
-  or window request raises ``NotImplementedError`` -- use ``pallas`` or ``xla``;
+  Positions are concrete only when the kernel's ``fwd``/``bwd`` are called outside
+  ``jit``: under ``jit`` even positions built from constants are traced, and inside a
+  ring they depend on ``lax.axis_index``.  So through ``jsp.attention`` (and any jitted
+  caller) this backend serves non-causal, unwindowed requests, and a causal or window
+  request raises ``NotImplementedError`` -- use ``pallas`` or ``xla``;
 * a backward that is given ``o`` (FlashAttention recomputes ``delta = rowsum(dO * O)``
   from it; with the global ``o`` and ``lse`` of a ring this is the right delta).
 

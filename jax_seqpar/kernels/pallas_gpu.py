@@ -14,15 +14,16 @@ short list of the key blocks it may see: first those whose bounds prove every pa
 visible (``MaskSpec.tile_fully_visible``), then the partially visible ones.  The kernel
 runs one loop over the first kind with no mask code at all and a second loop that
 evaluates the mask over the rest, so fully masked tiles cost nothing and neither loop
-has a branch (a branch in the loop body measurably slowed Triton's pipelined loads).  Because masks are
-predicates on global positions, the same kernel serves every ring step, layout and
-packed-document batch.
+has a branch (a branch in the loop body measurably slowed Triton's pipelined
+loads).  Because masks are predicates on global positions, the same kernel serves every
+ring step, layout and packed-document batch.
 
 GQA: query head ``h`` reads key/value head ``h // g`` through the block index map; K/V
 are never repeated.  Ragged lengths: inputs are padded to whole blocks and padded keys
-are masked by index.  Off GPU, the same kernels run with ``interpret=True`` (slow; for
-tests).  Block masks (``MaskSpec.block_mask``) are refused (``NotImplementedError``), so
-``kernel="auto"`` falls back to ``xla`` for them.
+are masked by index.  float32 inputs use three TF32 tensor-core products per ``dot``
+(``_dot_precision``) and smaller tiles (``FLOAT32_CONFIGS``).  Off GPU, the same kernels
+run with ``interpret=True`` (slow; for tests).  Block masks (``MaskSpec.block_mask``) are
+refused (``NotImplementedError``), so ``kernel="auto"`` falls back to ``xla`` for them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import functools
 import math
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -84,6 +84,30 @@ DEFAULT_CONFIGS = {
                       block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8),
 }
 
+#: float32 inputs take twice the shared memory per tile: with the bf16 tiles, D = 128
+#: asked an H200 for 256 KiB (it has 227 KiB per block), so float32 gets smaller tiles
+#: at D = 128 and 256.  Not tuned for speed (float32 is for checks).
+FLOAT32_CONFIGS = {
+    64: DEFAULT_CONFIGS[64],
+    128: PallasConfig(block_q=64, block_k=32, num_warps=4, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=4),
+    256: PallasConfig(block_q=32, block_k=32, num_warps=4, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8),
+}
+
+
+def forward_smem_bytes(config: PallasConfig, head_dim: int, dtype) -> int:
+    """Shared memory the forward's pipelined loads need (one Q block, ``num_stages``
+    buffers of K and V); a lower bound that must stay under the GPU's limit."""
+    item = jnp.dtype(dtype).itemsize
+    return item * head_dim * (config.block_q + 2 * config.num_stages * config.block_k)
+
+
+def default_config(head_dim: int, dtype) -> PallasConfig:
+    """The default tiles for this head dim and input dtype."""
+    table = FLOAT32_CONFIGS if jnp.dtype(dtype) == F32 else DEFAULT_CONFIGS
+    return table[head_dim]
+
 
 def _compiler_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu
@@ -97,9 +121,15 @@ def dot(a, b, trans_a=False, trans_b=False, precision=None):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def _dot_precision(dtype):
-    # float32 inputs: true float32 products (not TF32) so the 1e-5 budget holds.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
+def _dot_precision(dtype, interpret: bool):
+    """float32 inputs need near-float32 products for the 1e-5 budget (plain TF32 keeps
+    10 mantissa bits).  Compiled, they use three TF32 tensor-core products (hi*hi +
+    hi*lo + lo*hi, ~22 bits): Triton's exact float32 dot is a scalar FMA loop that is
+    slow and, with the two loops of the forward, took minutes to compile on an H200.
+    The interpreter runs the dot on the host, exactly (``HIGHEST``)."""
+    if jnp.dtype(dtype) != F32:
+        return None
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 # --------------------------------------------------------------------------- tiles
@@ -240,7 +270,7 @@ def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
     args, out_shape = kernel_io(args, [((B, Lq, Hq, D), F32), ((B, Hq, Lq), F32)])
     kernel = functools.partial(
         _fwd_kernel, mask=mask, scale=scale, bk=bk, Tk=Tk, has_seg=has_seg,
-        masked=needs_mask(mask, Tk, bk, has_seg), precision=_dot_precision(q.dtype))
+        masked=needs_mask(mask, Tk, bk, has_seg), precision=_dot_precision(q.dtype, interpret))
     o, lse = pl.pallas_call(
         kernel,
         grid=grid,
@@ -259,7 +289,7 @@ def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
 # --------------------------------------------------------------------------- backend
 @dataclasses.dataclass(frozen=True)
 class PallasKernel:
-    """The Pallas backend.  ``config=None`` picks ``DEFAULT_CONFIGS[head_dim]``;
+    """The Pallas backend.  ``config=None`` picks ``default_config(head_dim, dtype)``;
     ``interpret=None`` interprets off GPU (slow, for tests) and compiles on GPU."""
 
     config: Optional[PallasConfig] = None
@@ -270,8 +300,8 @@ class PallasKernel:
         if self.config is not None and not isinstance(self.config, PallasConfig):
             raise TypeError(f"config={self.config!r} must be a PallasConfig or None")
 
-    def _config(self, head_dim: int) -> PallasConfig:
-        return self.config or DEFAULT_CONFIGS[head_dim]
+    def _config(self, head_dim: int, dtype) -> PallasConfig:
+        return self.config or default_config(head_dim, dtype)
 
     def _interpret(self) -> bool:
         return default_platform() != "gpu" if self.interpret is None else self.interpret
@@ -307,7 +337,7 @@ class PallasKernel:
         if mask.block_mask is not None:
             raise NotImplementedError("block_mask is not supported by the pallas kernel")
         return pallas_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                          config=self._config(q.shape[-1]), interpret=self._interpret())
+                          config=self._config(q.shape[-1], q.dtype), interpret=self._interpret())
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None):
@@ -316,7 +346,7 @@ class PallasKernel:
         if mask.block_mask is not None:
             raise NotImplementedError("block_mask is not supported by the pallas kernel")
         return pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                          delta, config=self._config(q.shape[-1]),
+                          delta, config=self._config(q.shape[-1], q.dtype),
                           interpret=self._interpret())
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -149,7 +148,7 @@ def pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
         segs = [_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True)]
     masked = needs_mask(mask, Tk, bk, has_seg) or (Tq % bq != 0)
-    precision = _dot_precision(q.dtype)
+    precision = _dot_precision(q.dtype, interpret)
     params = None if interpret else _compiler_params(config.num_warps_bwd, config.num_stages_bwd)
 
     # ---- dK, dV: rows are key blocks
