@@ -19,6 +19,11 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
     python benchmarks/kernels.py                       # CPU: interpret-mode check only
     python benchmarks/kernels.py --phases check,bench  # on a GPU
 
+A check can be split over several runs (``--dims``, ``--dtypes``, ``--cases``,
+``--check-kernels``) and merged with ``benchmarks/merge_checks.py``; ``--hang-dump S``
+dumps every thread's stack and exits if one case takes more than S seconds (JAX 0.11.2
+was seen to hang now and then while lowering a Pallas kernel; see RESULTS.md).
+
 flash-attn-jax on a GPU machine without network: ``bash benchmarks/carry_flash_attn.sh
 pack`` here, carry ``.carry``, and ``source benchmarks/carry_flash_attn.sh unpack`` there
 before running this script.
@@ -28,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import itertools
-import json
 import os
 import sys
+import time
 
 import _setup  # noqa: F401,E402
 
@@ -102,11 +108,17 @@ def _positions(kind, Tq, Tk):
     return qp, kp
 
 
-def check(kernels, dims, dtypes, on_row=lambda rows: None):
+def check(kernels, dims, dtypes, on_row=lambda rows: None, cases=None, trace=False,
+          hang_dump=None):
     """``on_row(rows)`` runs after every case (the caller saves, so a time limit that
-    stops the run keeps the cases already checked)."""
+    stops the run keeps the cases already checked).  ``cases``: names to run (default
+    all); ``trace``: print when each case's forward has run (to locate a hang);
+    ``hang_dump``: seconds after which a case dumps every thread's stack and exits."""
     rows = []
-    for (name, case), D, dt in itertools.product(CHECK_CASES.items(), dims, dtypes):
+    chosen = {n: c for n, c in CHECK_CASES.items() if cases is None or n in cases}
+    for (name, case), D, dt in itertools.product(chosen.items(), dims, dtypes):
+        if hang_dump:
+            faulthandler.dump_traceback_later(hang_dump, exit=True)
         B, Tq, Tk, Hq, Hkv, pos, causal, window, seg = case
         dtype = jnp.dtype(dt)
         ks = jax.random.split(jax.random.PRNGKey(D), 4)
@@ -129,9 +141,18 @@ def check(kernels, dims, dtypes, on_row=lambda rows: None):
         ro, rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
         rgrads = rvjp(f32(do))
         for kname, kern in kernels.items():
+            t0 = time.perf_counter()
             try:
-                fn = jax.jit(make_fn(kern, mask, scale))
-                o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qp, kp, qs, kvs), q, k, v)
+                g = make_fn(kern, mask, scale)
+                if kname == "flash_attn":  # it needs static positions for causal/window
+                    fn = jax.jit(lambda q, k, v, qs, kvs: g(q, k, v, qp, kp, qs, kvs))
+                    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qs, kvs), q, k, v)
+                else:  # positions traced, as inside a ring
+                    fn = jax.jit(g)
+                    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qp, kp, qs, kvs), q, k, v)
+                if trace:
+                    jax.block_until_ready(o)
+                    print(f"  {name} D={D} {dt} {kname}: forward ran", flush=True)
                 grads = vjp(do)
             except NotImplementedError as e:
                 print(f"check {name} D={D} {dt} {kname}: refused ({str(e)[:80]})")
@@ -149,8 +170,9 @@ def check(kernels, dims, dtypes, on_row=lambda rows: None):
                              dq=errs[1], dk=errs[2], dv=errs[3], ok=ok))
             print(f"check {name:18s} D={D:3d} {dt:8s} {kname:10s} out {errs[0]:.1e} "
                   f"dq {errs[1]:.1e} dk {errs[2]:.1e} dv {errs[3]:.1e} "
-                  f"{'ok' if ok else 'FAIL'}", flush=True)
+                  f"{'ok' if ok else 'FAIL'} ({time.perf_counter() - t0:.0f} s)", flush=True)
             on_row(rows)
+    faulthandler.cancel_dump_traceback_later()
     return rows
 
 
@@ -292,6 +314,15 @@ def main():
     p.add_argument("--phases", default=None)
     p.add_argument("--dims", default="64,128,256", help="head dims for check/sweep")
     p.add_argument("--dtypes", default=None, help="dtypes for check (default: all on GPU)")
+    p.add_argument("--check-kernels", default=None,
+                   help="backends for check (default: pallas and flash_attn on GPU)")
+    p.add_argument("--cases", default=None, help="check cases (default: all), comma-separated")
+    p.add_argument("--trace", action="store_true", help="check: report each forward")
+    p.add_argument("--hang-dump", type=float, default=None,
+                   help="check: dump all stacks and exit if one case takes this many seconds")
+    p.add_argument("--pallas-config", default=None,
+                   help="check: PallasConfig fields as 8 comma-separated ints (block_q, "
+                        "block_k, warps, stages, then the same four for the backward)")
     p.add_argument("--sizes", default="4096,16384,32768", help="sequence lengths for bench")
     p.add_argument("--bench-dims", default="64,128", help="head dims for bench")
     args = p.parse_args()
@@ -309,10 +340,20 @@ def main():
                   ["bfloat16", "float16", "float32"] if on_gpu else ["float32", "bfloat16"])
         # on GPU the xla kernel is skipped here (the CPU tests cover it at length)
         ck = {n: k for n, k in kernels.items() if n != ("xla" if on_gpu else "flash_attn")}
+        if args.pallas_config:
+            fields = [int(x) for x in args.pallas_config.split(",")]
+            kernels["pallas"] = ck["pallas"] = PallasKernel(config=PallasConfig(*fields))
+        if args.check_kernels:
+            ck = {n: kernels[n] for n in args.check_kernels.split(",") if n in kernels}
         def save_partial(rows):
             result["check"] = rows
             save_json(result, path)
-        result["check"] = check(ck, dims if on_gpu else [64], dtypes, on_row=save_partial)
+        cases = args.cases.split(",") if args.cases else None
+        if cases and set(cases) - set(CHECK_CASES):
+            p.error(f"--cases: unknown {sorted(set(cases) - set(CHECK_CASES))}; known: "
+                    f"{sorted(CHECK_CASES)}")
+        result["check"] = check(ck, dims if on_gpu else [64], dtypes, on_row=save_partial,
+                                cases=cases, trace=args.trace, hang_dump=args.hang_dump)
         ok &= all(r["ok"] for r in result["check"])
         save_json(result, path)
     tuned = {}
