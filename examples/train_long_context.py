@@ -63,11 +63,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                f" --xla_force_host_platform_device_count={ARGS.devices or 8}")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import jax_seqpar.distributed as jd  # noqa: E402
+
+# Several processes (python -m jax_seqpar launch, SLURM, ...): join them before JAX
+# starts its backends; a no-op for a single process.
+INFO = jd.initialize()
+
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
@@ -103,7 +108,7 @@ class RecallTask:
             q = S - 2 * n + 2 * np.arange(n)
             toks[b, q], toks[b, q + 1] = self.key0 + keys[order], self.val0 + vals[order]
             mask[b, q + 1] = True
-        return jnp.asarray(toks, jnp.int32), jnp.asarray(mask)
+        return toks.astype(np.int32), mask
 
 
 def main():
@@ -118,8 +123,15 @@ def main():
                       num_heads=a.heads, num_kv_heads=a.kv_heads, remat=a.remat)
     model = Llama(cfg, mesh=mesh, layout=a.layout, backward=a.backward,
                   kernel=XlaKernel(block_q=a.block, block_k=a.block))
+    # Every process draws the same batches from the same seed; from_host places each
+    # process's part of them on its devices (replicated: the model permutes and shards
+    # the tokens itself).
     rng = np.random.default_rng(a.seed)
-    params = jax.jit(model.init)(jax.random.key(a.seed), task.batch(rng, 1)[0])
+
+    def batch(rng, n):
+        return jd.from_host(task.batch(rng, n), mesh, P())
+
+    params = jax.jit(model.init)(jax.random.key(a.seed), batch(rng, 1)[0])
     schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, max(a.steps, a.warmup + 1),
                                                   end_value=a.lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0),
@@ -134,42 +146,49 @@ def main():
         return optax.apply_updates(params, updates), opt_state, metrics
 
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+    lead = INFO.is_main  # with several processes, process 0 reports and writes
+    say = print if lead else (lambda *args, **kw: None)
+    say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"JAX {jax.__version__}; layout={a.layout}, backward={a.backward}, remat={a.remat}")
-    print(f"model: {n_params:,} parameters, {cfg.num_layers} layers, d_model {cfg.d_model}; "
+    say(f"processes: {INFO.process_count} ({INFO.source})")
+    say(f"model: {n_params:,} parameters, {cfg.num_layers} layers, d_model {cfg.d_model}; "
           f"task: {a.batch} x {a.seq_len} tokens, {a.pairs} pairs, chance accuracy "
           f"{1 / a.values:.3f}")
     log, t0 = [], time.perf_counter()
     steps = range(a.steps)
     try:
         from tqdm import tqdm
-        steps = tqdm(steps, desc="train", dynamic_ncols=True)
+        steps = tqdm(steps, desc="train", dynamic_ncols=True, disable=not lead)
     except ImportError:
         pass
     for step in steps:
-        toks, mask = task.batch(rng, a.batch)
+        toks, mask = batch(rng, a.batch)
         params, opt_state, m = train_step(params, opt_state, toks, mask)
         if step % a.log_every == 0 or step == a.steps - 1:
+            m = jd.to_host(m)  # every process takes part (a collective when several)
             row = {"step": step, "loss": float(m["loss"]), "accuracy": float(m["accuracy"]),
                    "seconds": time.perf_counter() - t0}
             log.append(row)
             msg = f"step {step:4d}  loss {row['loss']:.3f}  accuracy {row['accuracy']:.3f}"
             (steps.set_postfix_str(msg[10:]) if hasattr(steps, "set_postfix_str")
-             else print(msg, flush=True))
+             else say(msg, flush=True))
     wall = time.perf_counter() - t0
     ev_rng = np.random.default_rng(a.seed + 1)
     evaluate = jax.jit(lambda p, t, m: next_token_loss(model, p, t, loss_mask=m)[1])
-    evals = [evaluate(params, *task.batch(ev_rng, a.batch)) for _ in range(4)]
+    evals = [jd.to_host(evaluate(params, *batch(ev_rng, a.batch))) for _ in range(4)]
     ev_loss = float(np.mean([e["loss"] for e in evals]))
     ev_acc = float(np.mean([e["accuracy"] for e in evals]))
     first, last = log[0], log[-1]
-    print(f"\nfirst logged: loss {first['loss']:.3f}, accuracy {first['accuracy']:.3f}; "
+    say(f"\nfirst logged: loss {first['loss']:.3f}, accuracy {first['accuracy']:.3f}; "
           f"last: loss {last['loss']:.3f}, accuracy {last['accuracy']:.3f}")
-    print(f"held-out ({4 * a.batch} sequences): loss {ev_loss:.3f}, accuracy {ev_acc:.3f} "
+    say(f"held-out ({4 * a.batch} sequences): loss {ev_loss:.3f}, accuracy {ev_acc:.3f} "
           f"(chance {1 / a.values:.3f}); {a.steps} steps in {wall:.0f} s")
+    if not lead:
+        return
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "train_log.json"), "w") as f:
-        json.dump({"args": vars(a), "devices": G, "backend": jax.default_backend(),
+        json.dump({"args": vars(a), "devices": G, "processes": INFO.process_count,
+                   "backend": jax.default_backend(),
                    "jax": jax.__version__, "log": log, "eval_loss": ev_loss,
                    "eval_accuracy": ev_acc, "wall_s": wall}, f, indent=1)
     plot(log, 1 / a.values, os.path.join(a.out, "loss.png"), a, G)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import json
 import subprocess
 import sys
 import time
@@ -139,6 +140,30 @@ def test_demo_under_the_launcher():
     assert [r[:3] for r in rows] == [["ring", "8", "512"], ["allgather", "8", "512"]], out
     assert all(float(e) <= F32_TOL for r in rows for e in r[3:7])
     assert "[p1] ring" not in out  # only process 0 reports
+
+
+def test_training_example_two_processes_equals_one(tmp_path):
+    """examples/train_long_context.py under the launcher (2 processes x 2 devices) logs
+    the same losses as one process with 4 devices; only process 0 reports and writes."""
+    args = [TESTS.parent / "examples" / "train_long_context.py", "--steps", 4,
+            "--seq-len", 256, "--log-every", 1, "--batch", 2, "--d-model", 32]
+    code, out, err = run_launcher(
+        "-n", 2, "--devices-per-process", 2, "--timeout", 150, "--", sys.executable, *args,
+        "--out", tmp_path / "mp", timeout=170)
+    assert code == 0, out + err
+    assert "[p0] processes: 2 (jax_seqpar launch)" in out, out
+    assert "[p1] held-out" not in out and "[p0] held-out" in out, out
+    single = subprocess.run([sys.executable, *map(str, [*args, "--devices", 4, "--out",
+                                                        tmp_path / "one"])], cwd=REPO, env=_env(),
+                            capture_output=True, text=True, timeout=150)
+    assert single.returncode == 0, single.stdout + single.stderr
+    logs = [json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("mp", "one")]
+    assert [lg["processes"] for lg in logs] == [2, 1] and [lg["devices"] for lg in logs] == [4, 4]
+    for a, b in zip(logs[0]["log"], logs[1]["log"]):
+        assert a["step"] == b["step"]
+        np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
+                                   rtol=1e-5)
+    assert len(logs[0]["log"]) == 4 and not (tmp_path / "mp" / "p1").exists()
 
 
 # --------------------------------------------------------------------------- launcher
