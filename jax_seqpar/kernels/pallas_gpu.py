@@ -124,9 +124,9 @@ def dot(a, b, trans_a=False, trans_b=False, precision=None):
 def _dot_precision(dtype, interpret: bool):
     """float32 inputs need near-float32 products for the 1e-5 budget (plain TF32 keeps
     10 mantissa bits).  Compiled, they use three TF32 tensor-core products (hi*hi +
-    hi*lo + lo*hi, ~22 bits): Triton's exact float32 dot is a scalar FMA loop that is
-    slow and, with the two loops of the forward, took minutes to compile on an H200.
-    The interpreter runs the dot on the host, exactly (``HIGHEST``)."""
+    hi*lo + lo*hi, ~22 bits) rather than Triton's exact float32 dot, which runs as FMAs
+    on the CUDA cores (an H200 check with it printed nothing for minutes; see
+    RESULTS.md).  The interpreter runs the dot on the host, exactly (``HIGHEST``)."""
     if jnp.dtype(dtype) != F32:
         return None
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
