@@ -7,7 +7,7 @@ the schemes (each against the KV scheme; on small sizes also against the dense
 reference).  Saves JSON and, with matplotlib, a PNG.
 
     python benchmarks/backward_comm.py                # small, CPU (8 simulated devices)
-    python benchmarks/backward_comm.py --preset gpu   # H200s: 2 and 4 devices, up to 128k
+    python benchmarks/backward_comm.py --preset gpu   # GPUs: 2, 4 and 8 (those present), up to 128k
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from _util import (choose_preset, env_info, out_dir, progress, pyplot, rel,  # n
 PRESETS = {
     "cpu": dict(devices=[2, 4, 8], heads=[(8, 8), (8, 2)], seq=[512, 2048], head_dim=64,
                 dtype="float32", block=512, check_ref_max=4096, repeats=3),
-    "gpu": dict(devices=[2, 4], heads=[(16, 16), (16, 4)], seq=[8192, 32768, 131072], head_dim=128,
+    "gpu": dict(devices=[2, 4, 8], heads=[(16, 16), (16, 4)], seq=[8192, 32768, 131072], head_dim=128,
                 dtype="bfloat16", block=2048, check_ref_max=8192, repeats=3),
 }
 

@@ -9,6 +9,7 @@ sent per device (compiled HLO) and the compiled program's device memory per devi
 
     python benchmarks/decode.py                 # CPU, 8 simulated devices, small
     python benchmarks/decode.py --preset gpu    # 1, 2 and 4 H200s, 128k .. 2M tokens
+    python benchmarks/decode.py --preset gpu8   # 8 GPUs, 128k .. 4M tokens
     python benchmarks/decode.py --plot benchmarks/results/decode_gpu.json   # PNG only
 """
 
@@ -37,6 +38,10 @@ PRESETS = {
     "gpu": dict(devices=[1, 2, 4], contexts=[131072, 1048576, 2097152], batches=[1, 8], tq=[1, 4],
                 heads=(32, 8), head_dim=128, dtype="bfloat16", block_k=8192, repeats=5,
                 check_ctx=16384, max_gather_bytes=40e9, max_device_bytes=80e9),
+    # issue 9: one full node of 8 GPUs, 128k .. 4M tokens of context
+    "gpu8": dict(devices=[8], contexts=[131072, 1048576, 2097152, 4194304], batches=[1, 8],
+                 tq=[1, 4], heads=(32, 8), head_dim=128, dtype="bfloat16", block_k=8192,
+                 repeats=5, check_ctx=16384, max_gather_bytes=40e9, max_device_bytes=80e9),
 }
 FNS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgather_decode}
 
