@@ -88,3 +88,12 @@ def pyplot():
         print("matplotlib not available: no plot")
         return None
     return plt
+
+
+def replot(path: str, table, plot) -> None:
+    """``--plot JSON``: print ``table(rows)`` and draw ``plot(rows, <path>.png)`` from the
+    ``rows`` of a saved result file, without running anything."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    table(rows)
+    plot(rows, os.path.splitext(path)[0] + ".png")

@@ -16,7 +16,6 @@ sent per device (compiled HLO) and the compiled program's device memory per devi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import analyze_hlo  # noqa: E402
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
-from _util import (choose_preset, env_info, out_dir, pyplot, rel, save_json,  # noqa: E402
+from _util import (choose_preset, env_info, out_dir, pyplot, rel, replot, save_json,  # noqa: E402
                    time_fn)
 
 PRESETS = {
@@ -180,10 +179,7 @@ def main():
                    help="only draw the PNG from a saved result file")
     args = p.parse_args()
     if args.plot:
-        with open(args.plot) as f:
-            rows = json.load(f)["rows"]
-        table(rows)
-        plot(rows, os.path.splitext(args.plot)[0] + ".png")
+        replot(args.plot, table, plot)
         return 0
     preset, cfg = choose_preset(PRESETS, args.preset)
     counts = ([int(x) for x in args.devices.split(",")] if args.devices

@@ -28,7 +28,6 @@ convention, as ``benchmarks/kernels.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -41,7 +40,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.kernels import PallasKernel, XlaKernel  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
-from _util import choose_preset, env_info, out_dir, pyplot, rel, save_json, time_fn  # noqa: E402
+from _util import (choose_preset, env_info, out_dir, pyplot, rel, replot, save_json,  # noqa: E402
+                   time_fn)
 from kernels import attn_flops, make_fn  # noqa: E402
 
 PRESETS = {
@@ -187,10 +187,7 @@ def main(argv=None):
                    help="only print the table and draw the PNG from a saved result file")
     args = p.parse_args(argv)
     if args.plot:
-        with open(args.plot) as f:
-            rows = json.load(f)["rows"]
-        table(rows)
-        plot(rows, os.path.splitext(args.plot)[0] + ".png")
+        replot(args.plot, table, plot)
         return 0
     preset, cfg = choose_preset(PRESETS, args.preset)
     cfg = dict(cfg)
