@@ -8,6 +8,10 @@ reference).  Saves JSON and, with matplotlib, a PNG.
 
     python benchmarks/backward_comm.py                # small, CPU (8 simulated devices)
     python benchmarks/backward_comm.py --preset gpu   # GPUs: 2, 4 and 8 (those present), up to 128k
+    python benchmarks/backward_comm.py --preset gpu --kernel pallas --devices 2
+
+``--kernel`` picks the local kernel (``xla``, the preset's, or ``pallas``: on CPU the Pallas
+interpreter, slow); the result files of a non-default kernel carry its name.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import collective_bytes  # noqa: E402
-from jax_seqpar.kernels import XlaKernel  # noqa: E402
+from jax_seqpar.kernels import PallasKernel, XlaKernel  # noqa: E402
 from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
 from jax_seqpar.parallel.ring import ring_shape  # noqa: E402
 
@@ -32,16 +36,27 @@ from _util import (choose_preset, env_info, out_dir, progress, pyplot, rel,  # n
 
 PRESETS = {
     "cpu": dict(devices=[2, 4, 8], heads=[(8, 8), (8, 2)], seq=[512, 2048], head_dim=64,
-                dtype="float32", block=512, check_ref_max=4096, repeats=3),
+                dtype="float32", block=512, check_ref_max=4096, repeats=3, kernel="xla"),
     "gpu": dict(devices=[2, 4, 8], heads=[(16, 16), (16, 4)], seq=[8192, 32768, 131072], head_dim=128,
-                dtype="bfloat16", block=2048, check_ref_max=8192, repeats=3),
+                dtype="bfloat16", block=2048, check_ref_max=8192, repeats=3, kernel="xla"),
 }
 
+
+KERNELS = ("xla", "pallas")
+
+
+def make_kernel(cfg):
+    """The local kernel named by ``cfg["kernel"]`` (xla tiles: ``cfg["block"]``)."""
+    if cfg["kernel"] == "xla":
+        return XlaKernel(block_q=cfg["block"], block_k=cfg["block"])
+    if cfg["kernel"] == "pallas":
+        return PallasKernel()
+    raise ValueError(f"kernel={cfg['kernel']!r}: expected one of {KERNELS}")
 
 
 def run(cfg, causal: bool):
     dtype = jnp.dtype(cfg["dtype"])
-    kernel = XlaKernel(block_q=cfg["block"], block_k=cfg["block"])
+    kernel = make_kernel(cfg)
     grid = [(G, hq, hkv, S) for G in cfg["devices"] if G <= jax.device_count()
             for hq, hkv in cfg["heads"] for S in cfg["seq"]]
     rows = []
@@ -68,7 +83,7 @@ def run(cfg, causal: bool):
             resolved = scheme if scheme != "auto" else (
                 "kv" if comm.total_bytes == backward_bytes("kv", shape) else "q")
             rows.append(dict(devices=G, q_heads=Hq, kv_heads=Hkv, seq=S, head_dim=D,
-                             dtype=dtype.name, causal=causal, scheme=scheme, resolved=resolved,
+                             dtype=dtype.name, causal=causal, kernel=cfg["kernel"], scheme=scheme, resolved=resolved,
                              bytes_per_device=comm.total_bytes,
                              formula_bytes=backward_bytes(resolved, shape),
                              time_s=t["median_s"], min_s=t["min_s"]))
@@ -128,8 +143,18 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="default: gpu on GPUs, cpu otherwise")
     p.add_argument("--causal", choices=("no", "yes", "both"), default="no")
+    p.add_argument("--kernel", choices=KERNELS, default=None,
+                   help="local kernel (default: the preset's, xla)")
+    p.add_argument("--devices", default=None, help="comma-separated device counts")
     args = p.parse_args()
     preset, cfg = choose_preset(PRESETS, args.preset)
+    cfg = dict(cfg)
+    if args.kernel:
+        cfg["kernel"] = args.kernel
+    if args.devices:
+        cfg["devices"] = [int(x) for x in args.devices.split(",")]
+    if not any(G <= jax.device_count() for G in cfg["devices"]):
+        p.error(f"--devices: none of {cfg['devices']} fits the {jax.device_count()} devices")
     info = env_info()
     print(f"# {info}")
     print(f"# preset {preset}: {cfg}")
@@ -138,9 +163,10 @@ def main():
         rows += run(cfg, causal)
     print_table(rows)
     d = out_dir()
+    stem = f"backward_comm_{preset}" + ("" if cfg["kernel"] == "xla" else f"_{cfg['kernel']}")
     save_json({"env": info, "preset": preset, "config": cfg, "rows": rows},
-              os.path.join(d, f"backward_comm_{preset}.json"))
-    plot(rows, os.path.join(d, f"backward_comm_{preset}.png"))
+              os.path.join(d, stem + ".json"))
+    plot(rows, os.path.join(d, stem + ".png"))
     bad = [r for r in rows if r["bytes_per_device"] != r["formula_bytes"]
            or r.get("grad_rel_vs_kv", 0) > (2e-2 if r["dtype"] == "bfloat16" else 1e-5)
            or r.get("grad_rel_vs_ref", 0) > (2e-2 if r["dtype"] == "bfloat16" else 1e-5)]
