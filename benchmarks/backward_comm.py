@@ -138,7 +138,7 @@ def plot(rows, path):
     print(f"wrote {path}")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="default: gpu on GPUs, cpu otherwise")
@@ -146,13 +146,15 @@ def main():
     p.add_argument("--kernel", choices=KERNELS, default=None,
                    help="local kernel (default: the preset's, xla)")
     p.add_argument("--devices", default=None, help="comma-separated device counts")
-    args = p.parse_args()
+    p.add_argument("--seq", default=None, help="comma-separated sequence lengths")
+    args = p.parse_args(argv)
     preset, cfg = choose_preset(PRESETS, args.preset)
     cfg = dict(cfg)
     if args.kernel:
         cfg["kernel"] = args.kernel
-    if args.devices:
-        cfg["devices"] = [int(x) for x in args.devices.split(",")]
+    for key in ("devices", "seq"):
+        if getattr(args, key):
+            cfg[key] = [int(x) for x in getattr(args, key).split(",")]
     if not any(G <= jax.device_count() for G in cfg["devices"]):
         p.error(f"--devices: none of {cfg['devices']} fits the {jax.device_count()} devices")
     info = env_info()
