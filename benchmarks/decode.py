@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import analyze_hlo  # noqa: E402
-from jax_seqpar.kernels import XlaKernel  # noqa: E402
+from jax_seqpar.kernels import XlaDecodeKernel, XlaKernel  # noqa: E402
 from _util import (choose_preset, env_info, out_dir, pyplot, rel, replot, save_json,  # noqa: E402
                    time_fn)
 
@@ -175,6 +175,10 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--devices", default=None,
                    help="comma-separated device counts (default: the preset's)")
+    p.add_argument("--kernel", choices=("xla", "xla_decode"), default="xla",
+                   help="local kernel: xla (key blocks of the preset's block_k) or "
+                        "xla_decode (XlaDecodeKernel); result files of xla_decode carry "
+                        "its name")
     p.add_argument("--plot", default=None, metavar="JSON",
                    help="only draw the PNG from a saved result file")
     args = p.parse_args()
@@ -185,11 +189,13 @@ def main():
     counts = ([int(x) for x in args.devices.split(",")] if args.devices
               else cfg["devices"])
     counts = [G for G in counts if G <= jax.device_count()]
-    kernel = XlaKernel(block_q=512, block_k=cfg["block_k"])
+    kernel = (XlaKernel(block_q=512, block_k=cfg["block_k"]) if args.kernel == "xla"
+              else XlaDecodeKernel())
+    stem = f"decode_{preset}" + ("" if args.kernel == "xla" else f"_{args.kernel}")
     dt = jnp.dtype(cfg["dtype"])
     tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
     info = env_info()
-    print(f"# {info}\n# preset {preset}: {cfg}, device counts {counts}")
+    print(f"# {info}\n# preset {preset}: {cfg}, device counts {counts}, kernel {args.kernel}")
     G = max(counts)
     mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G])
     check = check_against_reference(cfg, mesh, kernel, dt)
@@ -197,10 +203,10 @@ def main():
     rows = []
     for G in sorted(counts, reverse=True):  # the acceptance numbers (most devices) first
         rows += measure(cfg, G, kernel, dt)
-        save_json({"env": info, "preset": preset, "config": cfg, "check": check,
-                   "rows": rows}, os.path.join(out_dir(), f"decode_{preset}.json"))
+        save_json({"env": info, "preset": preset, "config": cfg, "kernel": args.kernel,
+                   "check": check, "rows": rows}, os.path.join(out_dir(), stem + ".json"))
     table(rows)
-    plot(rows, os.path.join(out_dir(), f"decode_{preset}.png"))
+    plot(rows, os.path.join(out_dir(), stem + ".png"))
     ok = all(e <= tol for e in check.values()) and all(
         r["rel_vs_tree"] is None or r["rel_vs_tree"] <= tol for r in rows)
     print("CHECKS:", "PASS" if ok else "FAIL")

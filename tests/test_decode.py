@@ -85,6 +85,30 @@ def test_tree_decode_gradients(G, B, Tq, causal):
         helpers.assert_close(g, r, 1e-5, n)
 
 
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_auto_uses_the_decode_kernel_and_xla_agrees(name, monkeypatch):
+    from jax_seqpar.kernels.xla_decode import XlaDecodeKernel
+
+    calls = []
+    inner = XlaDecodeKernel._fwd
+
+    def counting(self, *args):
+        calls.append(args[0].shape)
+        return inner(self, *args)
+
+    monkeypatch.setattr(XlaDecodeKernel, "_fwd", counting)
+    q, k, v = _inputs(21, 2, 4)
+    L = jnp.asarray([64, 30], jnp.int32)
+    mesh = helpers.make_mesh(4)
+    auto = DECODERS[name](q, k, v, mesh=mesh, kv_lengths=L, causal=True)
+    assert calls, "kernel='auto' did not run XlaDecodeKernel"
+    calls.clear()
+    xla = DECODERS[name](q, k, v, mesh=mesh, kv_lengths=L, causal=True, kernel="xla")
+    assert not calls
+    helpers.assert_close(auto, xla, 1e-5, f"{name}: auto vs xla")
+    helpers.assert_close(auto, _reference(q, k, v, [64, 30], True), 1e-5, name)
+
+
 def test_tree_decode_with_jax_nn_and_large_scores():
     q, k, v = helpers.make_large_qkv(3, B=2, S=4, Sk=64)
     mesh = helpers.make_mesh(8)
