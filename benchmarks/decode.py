@@ -10,6 +10,7 @@ sent per device (compiled HLO) and the compiled program's device memory per devi
     python benchmarks/decode.py                 # CPU, 8 simulated devices, small
     python benchmarks/decode.py --preset gpu    # 1, 2 and 4 H200s, 128k .. 2M tokens
     python benchmarks/decode.py --preset gpu8   # 8 GPUs, 128k .. 4M tokens
+    python benchmarks/decode.py --preset gpu --kernel xla   # the blockwise kernel instead
     python benchmarks/decode.py --plot benchmarks/results/decode_gpu.json   # PNG only
 """
 
@@ -175,10 +176,10 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--devices", default=None,
                    help="comma-separated device counts (default: the preset's)")
-    p.add_argument("--kernel", choices=("xla", "xla_decode"), default="xla",
-                   help="local kernel: xla (key blocks of the preset's block_k) or "
-                        "xla_decode (XlaDecodeKernel); result files of xla_decode carry "
-                        "its name")
+    p.add_argument("--kernel", choices=("xla_decode", "xla"), default="xla_decode",
+                   help="local kernel: xla_decode (XlaDecodeKernel, the decoders' default) "
+                        "or xla (key blocks of the preset's block_k; result files carry "
+                        "its name)")
     p.add_argument("--plot", default=None, metavar="JSON",
                    help="only draw the PNG from a saved result file")
     args = p.parse_args()
@@ -191,7 +192,7 @@ def main():
     counts = [G for G in counts if G <= jax.device_count()]
     kernel = (XlaKernel(block_q=512, block_k=cfg["block_k"]) if args.kernel == "xla"
               else XlaDecodeKernel())
-    stem = f"decode_{preset}" + ("" if args.kernel == "xla" else f"_{args.kernel}")
+    stem = f"decode_{preset}" + ("" if args.kernel == "xla_decode" else f"_{args.kernel}")
     dt = jnp.dtype(cfg["dtype"])
     tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
     info = env_info()
