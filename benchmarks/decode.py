@@ -10,7 +10,7 @@ sent per device (compiled HLO) and the compiled program's device memory per devi
     python benchmarks/decode.py                 # CPU, 8 simulated devices, small
     python benchmarks/decode.py --preset gpu    # 1, 2 and 4 H200s, 128k .. 2M tokens
     python benchmarks/decode.py --preset gpu8   # 8 GPUs, 128k .. 4M tokens
-    python benchmarks/decode.py --preset gpu --kernel xla   # the blockwise kernel instead
+    python benchmarks/decode.py --preset gpu --kernel xla   # another local kernel
     python benchmarks/decode.py --plot benchmarks/results/decode_gpu.json   # PNG only
 """
 
@@ -28,7 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.comm import analyze_hlo  # noqa: E402
-from jax_seqpar.kernels import XlaDecodeKernel, XlaKernel  # noqa: E402
+from jax_seqpar.decode import decode_kernel_name  # noqa: E402
+from jax_seqpar.kernels import PallasDecodeKernel, XlaDecodeKernel, XlaKernel  # noqa: E402
 from _util import (choose_preset, env_info, out_dir, pyplot, rel, replot, save_json,  # noqa: E402
                    time_fn)
 
@@ -176,10 +177,11 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--devices", default=None,
                    help="comma-separated device counts (default: the preset's)")
-    p.add_argument("--kernel", choices=("xla_decode", "xla"), default="xla_decode",
-                   help="local kernel: xla_decode (XlaDecodeKernel, the decoders' default) "
-                        "or xla (key blocks of the preset's block_k; result files carry "
-                        "its name)")
+    p.add_argument("--kernel", choices=("auto", "pallas_decode", "xla_decode", "xla"),
+                   default="auto",
+                   help="local kernel: auto (the decoders' default: pallas_decode on GPUs, "
+                        "else xla_decode), or one by name (xla: key blocks of the preset's "
+                        "block_k); result files of a named kernel carry its name")
     p.add_argument("--plot", default=None, metavar="JSON",
                    help="only draw the PNG from a saved result file")
     args = p.parse_args()
@@ -190,9 +192,13 @@ def main():
     counts = ([int(x) for x in args.devices.split(",")] if args.devices
               else cfg["devices"])
     counts = [G for G in counts if G <= jax.device_count()]
-    kernel = (XlaKernel(block_q=512, block_k=cfg["block_k"]) if args.kernel == "xla"
-              else XlaDecodeKernel())
-    stem = f"decode_{preset}" + ("" if args.kernel == "xla_decode" else f"_{args.kernel}")
+    kernel = {"auto": "auto", "pallas_decode": PallasDecodeKernel(),
+              "xla_decode": XlaDecodeKernel(),
+              "xla": XlaKernel(block_q=512, block_k=cfg["block_k"])}[args.kernel]
+    stem = f"decode_{preset}" + ("" if args.kernel == "auto" else f"_{args.kernel}")
+    if args.kernel == "auto":
+        dummy = jnp.zeros((1, 1, cfg["heads"][0], cfg["head_dim"]), cfg["dtype"])
+        args.kernel = f"auto ({decode_kernel_name('auto', dummy, None)})"
     dt = jnp.dtype(cfg["dtype"])
     tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
     info = env_info()

@@ -7,6 +7,8 @@ shard plus two tiny all-reduces; this times the first part alone.  Variants:
   before ``XlaDecodeKernel`` was 8192),
 * ``xla_decode``: ``XlaDecodeKernel`` (key blocks sized by its score budget);
   ``xla_decode/<bk>`` fixes its blocks, to separate the block size from the rest,
+* ``pallas_decode/<bk>/<warps>w<stages>s/<programs>``: ``PallasDecodeKernel`` (split-K
+  Triton kernel) with that ``DecodeConfig`` (GPU preset only),
 * ``dense``: ``jax.nn.dot_product_attention`` (XLA implementation) with the same mask
   as a boolean array, one dense softmax over the whole shard: an XLA reference, not a
   kernel of this library,
@@ -34,17 +36,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.kernels import XlaDecodeKernel, XlaKernel  # noqa: E402
+from jax_seqpar.kernels import (DecodeConfig, PallasDecodeKernel, XlaDecodeKernel,  # noqa: E402
+                                XlaKernel)
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from _util import choose_preset, env_info, out_dir, rel, save_json, time_fn  # noqa: E402
 
 PRESETS = {
     "cpu": dict(shards=[4096], batches=[1, 2], tq=[1, 4], heads=(8, 2), head_dim=64,
                 dtype="float32", blocks=[1024], decode_blocks=[1024], repeats=3,
-                check_shard=1024),
+                check_shard=1024, pallas=[]),
     "gpu": dict(shards=[131072, 524288, 1048576], batches=[1, 8], tq=[1, 4], heads=(32, 8),
                 head_dim=128, dtype="bfloat16", blocks=[8192, 65536], decode_blocks=[8192],
-                repeats=5, check_shard=16384),
+                repeats=5, check_shard=16384,
+                # PallasDecodeKernel configs: (block_k, num_warps, num_stages, programs)
+                pallas=[(64, 4, 3, 1024), (128, 4, 2, 1024), (64, 4, 3, 4096),
+                        (128, 8, 3, 2048)]),
 }
 MASK = MaskSpec(causal=True)
 
@@ -54,6 +60,10 @@ def variants(cfg):
     out = {f"xla/{bk}": XlaKernel(block_q=512, block_k=bk) for bk in cfg["blocks"]}
     out["xla_decode"] = XlaDecodeKernel()
     out.update({f"xla_decode/{bk}": XlaDecodeKernel(block_k=bk) for bk in cfg["decode_blocks"]})
+    for bk, warps, stages, progs in cfg.get("pallas", []):
+        out[f"pallas_decode/{bk}/{warps}w{stages}s/{progs}"] = PallasDecodeKernel(
+            DecodeConfig(block_k=bk, num_warps=warps, num_stages=stages,
+                         target_programs=progs))
     out["dense"] = None
     return out
 
@@ -99,7 +109,9 @@ def check(cfg, dt):
             for name, kern in variants(cfg).items()}
 
 
-def measure(cfg, dt):
+def measure(cfg, dt, save=lambda rows: None):
+    """Rows of (variant, shard, batch, tq); ``save(rows)`` after every size (a run cut
+    short keeps what it measured)."""
     Hq, Hkv = cfg["heads"]
     D = cfg["head_dim"]
     ks = jax.random.split(jax.random.PRNGKey(1), 3)
@@ -133,18 +145,19 @@ def measure(cfg, dt):
                           f"{cache / t / 1e9:.0f} GB/s (read floor {cache / t_read / 1e9:.0f} "
                           f"GB/s), diff {new[-1]['rel_vs_first']:.1e}", flush=True)
                 rows += new
+                save(rows)
                 del q
             del k, v
     return rows
 
 
 def table(rows):
-    print(f"{'shard':>8} {'B':>2} {'Tq':>2} {'variant':<16}{'ms':>9}{'GB/s':>7}"
+    print(f"{'shard':>8} {'B':>2} {'Tq':>2} {'variant':<30}{'ms':>9}{'GB/s':>7}"
           f"{'vs first':>9}{'read GB/s':>10}{'diff':>9}")
     for r in rows:
         first = [x for x in rows if (x["shard"], x["batch"], x["tq"])
                  == (r["shard"], r["batch"], r["tq"])][0]
-        print(f"{r['shard']:>8} {r['batch']:>2} {r['tq']:>2} {r['variant']:<16}"
+        print(f"{r['shard']:>8} {r['batch']:>2} {r['tq']:>2} {r['variant']:<30}"
               f"{r['time_s'] * 1e3:>9.3f}{r['gb_per_s']:>7.0f}"
               f"{first['time_s'] / r['time_s']:>9.2f}{r['read_gb_per_s']:>10.0f}"
               f"{r['rel_vs_first']:>9.1e}")
@@ -161,9 +174,13 @@ def main(argv=None):
     print(f"# {info}\n# preset {preset}: {cfg}", flush=True)
     errs = check(cfg, dt)
     print("check vs reference:", {n: f"{e:.1e}" for n, e in errs.items()}, flush=True)
-    rows = measure(cfg, dt)
-    save_json({"env": info, "preset": preset, "config": cfg, "check": errs, "rows": rows},
-              os.path.join(out_dir(), f"decode_kernel_{preset}.json"))
+    path = os.path.join(out_dir(), f"decode_kernel_{preset}.json")
+
+    def save(rows):
+        save_json({"env": info, "preset": preset, "config": cfg, "check": errs, "rows": rows},
+                  path)
+    rows = measure(cfg, dt, save)
+    save(rows)
     table(rows)
     ok = all(e <= tol for e in errs.values()) and all(r["rel_vs_first"] <= tol for r in rows)
     print("CHECKS:", "PASS" if ok else "FAIL")

@@ -24,6 +24,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar import _compat
+from jax_seqpar.kernels.base import KernelRequest, default_platform
+from jax_seqpar.kernels.pallas_decode import PallasDecodeKernel
+from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel.common import axis_size, make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.tree import tree_attention
@@ -79,6 +82,29 @@ def _rows(lengths, Tq, T, shard):
     return q_pos, kv_pos, q_seg, kv_seg
 
 
+def decode_kernel_name(kernel, q, k_cache):
+    """What ``kernel="auto"`` means for decoding: ``pallas_decode`` on GPUs where it
+    accepts the head dim and dtype, else ``xla_decode``.
+
+    A few query rows against a long shard is a memory-bound read of the cache; the
+    training kernels (``xla``, ``pallas``) walk it in small sequential tiles.  On an H200
+    the blockwise ``xla`` kernel read it at 0.3-0.7 TB/s, ``xla_decode`` at 0.5-3.5 and
+    ``pallas_decode`` at 0.7-4.1 TB/s (``benchmarks/decode_kernel.py``, RESULTS.md).
+    Any other value is passed through.
+    """
+    if kernel != "auto":
+        return kernel
+    if default_platform() == "gpu":
+        request = KernelRequest(platform="gpu", dtype=str(q.dtype), head_dim=q.shape[-1],
+                                mask=MaskSpec(causal=True))
+        try:
+            PallasDecodeKernel().check(request)
+            return "pallas_decode"
+        except NotImplementedError:
+            pass
+    return "xla_decode"
+
+
 def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causal, kernel,
             scale):
     if strategy not in STRATEGIES:
@@ -90,13 +116,9 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
     T = S // G
     lengths = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
                else kv_lengths.astype(jnp.int32))
-    # "auto" means XlaDecodeKernel here: a few query rows against a long shard is a
-    # memory-bound read of the cache, which it does at 2.3-3.5 TB/s on an H200 against
-    # 0.5-0.7 TB/s for the blockwise xla kernel (RESULTS.md); the training kernels (xla,
-    # pallas) walk the shard in small sequential tiles.
     cfg = make_config(q, k_cache, axis_name=axis, causal=causal, window=None,
                       segment_ids=lengths, scale=scale, layout="contiguous",
-                      backward="kv", kernel="xla_decode" if kernel == "auto" else kernel)
+                      backward="kv", kernel=decode_kernel_name(kernel, q, k_cache))
 
     def tree(q, k, v, lengths):
         idx = lax.axis_index(axis)
