@@ -109,6 +109,18 @@ def test_auto_uses_the_decode_kernel_and_xla_agrees(name, monkeypatch):
     helpers.assert_close(auto, _reference(q, k, v, [64, 30], True), 1e-5, name)
 
 
+def test_auto_kernel_choice_by_platform(monkeypatch):
+    import jax_seqpar.decode as dec
+
+    q128 = jnp.zeros((1, 1, 8, 128), BF16)
+    q32 = jnp.zeros((1, 1, 8, 32), BF16)
+    assert dec.decode_kernel_name("auto", q128, None) == "xla_decode"  # on this CPU
+    assert dec.decode_kernel_name("xla", q128, None) == "xla"
+    monkeypatch.setattr(dec, "default_platform", lambda: "gpu")
+    assert dec.decode_kernel_name("auto", q128, None) == "pallas_decode"
+    assert dec.decode_kernel_name("auto", q32, None) == "xla_decode"  # head dim it refuses
+
+
 def test_tree_decode_with_jax_nn_and_large_scores():
     q, k, v = helpers.make_large_qkv(3, B=2, S=4, Sk=64)
     mesh = helpers.make_mesh(8)
