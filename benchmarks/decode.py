@@ -49,7 +49,8 @@ FNS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgat
 
 
 def check_against_reference(cfg, mesh, kernel, dt):
-    """Every strategy vs the dense reference at a small context, causal, ragged lengths."""
+    """Every strategy vs the dense reference at a small context, causal, ragged lengths,
+    and the tree's gradients."""
     Hq, Hkv = cfg["heads"]
     D = cfg["head_dim"]
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -59,12 +60,25 @@ def check_against_reference(cfg, mesh, kernel, dt):
     v = jax.random.normal(ks[2], (B, S, Hkv, D), dt)
     lengths = [S, S // 3]
     up = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref = jnp.concatenate([jsp.reference_attention(
-        up(q[b:b + 1]), up(k[b:b + 1, :L]), up(v[b:b + 1, :L]), causal=True,
-        q_pos=jnp.arange(L - Tq, L))[0] for b, L in enumerate(lengths)])
-    return {name: rel(fn(q, k, v, mesh=mesh, kv_lengths=jnp.asarray(lengths), causal=True,
+
+    def reference(q, k, v):
+        return jnp.concatenate([jsp.reference_attention(
+            q[b:b + 1], k[b:b + 1, :L], v[b:b + 1, :L], causal=True,
+            q_pos=jnp.arange(L - Tq, L))[0] for b, L in enumerate(lengths)])
+
+    def tree(q, k, v):
+        return jsp.tree_decode(q, k, v, mesh=mesh, kv_lengths=jnp.asarray(lengths),
+                               causal=True, kernel=kernel)
+
+    ref, ref_vjp = jax.vjp(reference, up(q), up(k), up(v))
+    errs = {name: rel(fn(q, k, v, mesh=mesh, kv_lengths=jnp.asarray(lengths), causal=True,
                          kernel=kernel), ref)
             for name, fn in FNS.items()}
+    # tree_decode is differentiable: its dq, dk, dv against the reference's
+    do = jax.random.normal(jax.random.PRNGKey(1), q.shape, dt)
+    grads = jax.jit(lambda q, k, v, do: jax.vjp(tree, q, k, v)[1](do))(q, k, v, do)
+    errs["tree_grads"] = max(rel(g, r) for g, r in zip(grads, ref_vjp(up(do))))
+    return errs
 
 
 def measure(cfg, G, kernel, dt):
@@ -177,6 +191,8 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--devices", default=None,
                    help="comma-separated device counts (default: the preset's)")
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated context lengths (default: the preset's)")
     p.add_argument("--kernel", choices=("auto", "pallas_decode", "xla_decode", "xla"),
                    default="auto",
                    help="local kernel: auto (the decoders' default: pallas_decode on GPUs, "
@@ -189,6 +205,8 @@ def main():
         replot(args.plot, table, plot)
         return 0
     preset, cfg = choose_preset(PRESETS, args.preset)
+    if args.contexts:
+        cfg = dict(cfg, contexts=[int(x) for x in args.contexts.split(",")])
     counts = ([int(x) for x in args.devices.split(",")] if args.devices
               else cfg["devices"])
     counts = [G for G in counts if G <= jax.device_count()]
