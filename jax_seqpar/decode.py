@@ -27,7 +27,7 @@ from jax_seqpar import _compat
 from jax_seqpar.kernels.base import KernelRequest, default_platform
 from jax_seqpar.kernels.pallas_decode import PallasDecodeKernel
 from jax_seqpar.masks import MaskSpec
-from jax_seqpar.parallel.common import axis_size, make_config, ring_shift
+from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.tree import tree_attention
 

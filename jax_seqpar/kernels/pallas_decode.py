@@ -31,9 +31,9 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
-from jax_seqpar.kernels.pallas_gpu import (DTYPES, HEAD_DIMS, LN2, LOG2E, _compiler_params,
-                                           _dot_precision, _pad_to, dot, mask_tile,
-                                           tile_lists)
+from jax_seqpar.kernels.pallas_gpu import (DTYPES, HEAD_DIMS, LOG2E, _compiler_params,
+                                           _dot_precision, _pad_to, finish_rows,
+                                           online_softmax_tile, tile_lists)
 from jax_seqpar.kernels.xla_decode import XlaDecodeKernel
 from jax_seqpar.masks import MaskSpec
 
@@ -76,40 +76,19 @@ def _kernel(tbl_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, *refs, mask, scal
     if has_seg:
         qseg_ref, kvseg_ref, o_ref, lse_ref = refs
     else:
-        o_ref, lse_ref = refs
+        (o_ref, lse_ref), kvseg_ref = refs, None
     R, D = q_ref.shape
-    q = q_ref[...]
-    qpos = qpos_ref[...]
-    qseg = qseg_ref[...] if has_seg else None
-    c = scale * LOG2E
     count = tbl_ref[0]
     share = (count + splits - 1) // splits
     lo = pl.program_id(2) * share
     hi = jnp.minimum(lo + share, count)
-
-    def body(t, carry):
-        acc, m, l = carry
-        start = pl.multiple_of(tbl_ref[t + 2] * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        s = dot(q, k, trans_b=True, precision=precision) * c  # [R, bk], log2 units
-        idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        kvs = kvseg_ref[pl.ds(start, bk)] if has_seg else None
-        s = mask_tile(mask, s, qpos, kvpos_ref[pl.ds(start, bk)], idx, Tk, qseg, kvs)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l
-
+    body = functools.partial(
+        online_softmax_tile, q=q_ref[...], qpos=qpos_ref[...],
+        qseg=qseg_ref[...] if has_seg else None, tbl_ref=tbl_ref, k_ref=k_ref, v_ref=v_ref,
+        kvpos_ref=kvpos_ref, kvseg_ref=kvseg_ref, mask=mask, c=scale * LOG2E, bk=bk, Tk=Tk,
+        masked=True, precision=precision)
     init = (jnp.zeros((R, D), F32), jnp.full((R,), -jnp.inf, F32), jnp.zeros((R,), F32))
-    acc, m, l = lax.fori_loop(lo, jnp.maximum(lo, hi), body, init)
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
-    o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(has, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    o_ref[...], lse_ref[...] = finish_rows(lax.fori_loop(lo, jnp.maximum(lo, hi), body, init))
 
 
 def _rows(x, g, R, edge):

@@ -195,46 +195,58 @@ def needs_mask(mask: MaskSpec, Tk: int, bk: int, has_seg: bool) -> bool:
 
 
 # --------------------------------------------------------------------------- forward
+def online_softmax_tile(t, carry, *, q, qpos, qseg, tbl_ref, k_ref, v_ref, kvpos_ref,
+                        kvseg_ref, mask, c, bk, Tk, masked, precision):
+    """One step of FlashAttention-2's forward loop (Alg. 1, lines 6-10) inside a kernel:
+    the key block named by entry ``t`` of the tile list, scores in log2 units (``c`` =
+    scale * log2 e), the mask if ``masked``, then the running ``(acc, m, l)`` updated."""
+    acc, m, l = carry
+    start = pl.multiple_of(tbl_ref[t + 2] * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = dot(q, k, trans_b=True, precision=precision) * c  # [rows, bk] float32
+    if masked:
+        idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        kvs = kvseg_ref[pl.ds(start, bk)] if kvseg_ref is not None else None
+        s = mask_tile(mask, s, qpos, kvpos_ref[pl.ds(start, bk)], idx, Tk, qseg, kvs)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l
+
+
+def finish_rows(carry):
+    """``(o, lse)`` of a finished loop: ``o = acc / l``, natural-log ``lse``; rows that
+    saw no key give ``o = 0, lse = -inf``."""
+    acc, m, l = carry
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    return acc / l_safe[:, None], jnp.where(has, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
 def _fwd_kernel(tbl_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, *refs, mask, scale, bk,
                 Tk, has_seg, masked, precision):
     if has_seg:
         qseg_ref, kvseg_ref, o_ref, lse_ref = refs
     else:
-        o_ref, lse_ref = refs
+        (o_ref, lse_ref), kvseg_ref = refs, None
     bq, D = q_ref.shape
-    q = q_ref[...]
-    qpos = qpos_ref[...]
-    qseg = qseg_ref[...] if has_seg else None
-    c = scale * LOG2E
-
-    def body(t, carry, masked):
-        acc, m, l = carry
-        start = pl.multiple_of(tbl_ref[t + 2] * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        s = dot(q, k, trans_b=True, precision=precision) * c  # [bq, bk] float32, log2 units
-        if masked:
-            idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-            kvs = kvseg_ref[pl.ds(start, bk)] if has_seg else None
-            s = mask_tile(mask, s, qpos, kvpos_ref[pl.ds(start, bk)], idx, Tk, qseg, kvs)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l
-
+    body = functools.partial(
+        online_softmax_tile, q=q_ref[...], qpos=qpos_ref[...],
+        qseg=qseg_ref[...] if has_seg else None, tbl_ref=tbl_ref, k_ref=k_ref, v_ref=v_ref,
+        kvpos_ref=kvpos_ref, kvseg_ref=kvseg_ref, mask=mask, c=scale * LOG2E, bk=bk, Tk=Tk,
+        precision=precision)
     init = (jnp.zeros((bq, D), F32), jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
     n_full = tbl_ref[1] if masked else tbl_ref[0]
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
     if masked:  # the partially visible tiles, after the fully visible ones
         carry = lax.fori_loop(n_full, tbl_ref[0], functools.partial(body, masked=True), carry)
-    acc, m, l = carry
-    has = l > 0
-    l_safe = jnp.where(has, l, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(has, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    o, lse = finish_rows(carry)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, kv_seg=None,
