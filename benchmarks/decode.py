@@ -216,7 +216,7 @@ def main():
     stem = f"decode_{preset}" + ("" if args.kernel == "auto" else f"_{args.kernel}")
     if args.kernel == "auto":
         dummy = jnp.zeros((1, 1, cfg["heads"][0], cfg["head_dim"]), cfg["dtype"])
-        args.kernel = f"auto ({decode_kernel_name('auto', dummy, None)})"
+        args.kernel = f"auto ({decode_kernel_name('auto', dummy)})"
     dt = jnp.dtype(cfg["dtype"])
     tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
     info = env_info()

@@ -82,7 +82,7 @@ def _rows(lengths, Tq, T, shard):
     return q_pos, kv_pos, q_seg, kv_seg
 
 
-def decode_kernel_name(kernel, q, k_cache):
+def decode_kernel_name(kernel, q):
     """What ``kernel="auto"`` means for decoding: ``pallas_decode`` on GPUs where it
     accepts the head dim and dtype, else ``xla_decode``.
 
@@ -118,7 +118,7 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
                else kv_lengths.astype(jnp.int32))
     cfg = make_config(q, k_cache, axis_name=axis, causal=causal, window=None,
                       segment_ids=lengths, scale=scale, layout="contiguous",
-                      backward="kv", kernel=decode_kernel_name(kernel, q, k_cache))
+                      backward="kv", kernel=decode_kernel_name(kernel, q))
 
     def tree(q, k, v, lengths):
         idx = lax.axis_index(axis)

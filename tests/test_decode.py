@@ -114,11 +114,11 @@ def test_auto_kernel_choice_by_platform(monkeypatch):
 
     q128 = jnp.zeros((1, 1, 8, 128), BF16)
     q32 = jnp.zeros((1, 1, 8, 32), BF16)
-    assert dec.decode_kernel_name("auto", q128, None) == "xla_decode"  # on this CPU
-    assert dec.decode_kernel_name("xla", q128, None) == "xla"
+    assert dec.decode_kernel_name("auto", q128) == "xla_decode"  # on this CPU
+    assert dec.decode_kernel_name("xla", q128) == "xla"
     monkeypatch.setattr(dec, "default_platform", lambda: "gpu")
-    assert dec.decode_kernel_name("auto", q128, None) == "pallas_decode"
-    assert dec.decode_kernel_name("auto", q32, None) == "xla_decode"  # head dim it refuses
+    assert dec.decode_kernel_name("auto", q128) == "pallas_decode"
+    assert dec.decode_kernel_name("auto", q32) == "xla_decode"  # head dim it refuses
 
 
 def test_tree_decode_with_jax_nn_and_large_scores():
