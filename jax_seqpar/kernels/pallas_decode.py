@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
-from jax_seqpar.kernels.pallas_gpu import (DTYPES, HEAD_DIMS, LOG2E, _compiler_params,
-                                           _dot_precision, _pad_to, finish_rows,
+from jax_seqpar.kernels.pallas_gpu import (LOG2E, _compiler_params, _dot_precision, _pad_to,
+                                           check_request, finish_rows, interpret_mode,
                                            online_softmax_tile, tile_lists)
 from jax_seqpar.kernels.xla_decode import XlaDecodeKernel
 from jax_seqpar.masks import MaskSpec
@@ -178,22 +178,14 @@ class PallasDecodeKernel:
             raise TypeError(f"config={self.config!r} must be a DecodeConfig")
 
     def _interpret(self) -> bool:
-        return default_platform() != "gpu" if self.interpret is None else self.interpret
+        return interpret_mode(self.interpret)
 
     @property
     def supports_check_vma(self) -> bool:
-        return not self._interpret()
+        return not self._interpret()  # as PallasKernel's
 
     def check(self, request: KernelRequest) -> None:
-        if request.head_dim not in HEAD_DIMS:
-            raise NotImplementedError(f"head_dim={request.head_dim} is not supported by the "
-                                      f"pallas_decode kernel (supported: {HEAD_DIMS})")
-        if str(request.dtype) not in DTYPES:
-            raise NotImplementedError(f"dtype {request.dtype} is not supported by the "
-                                      f"pallas_decode kernel (supported: {DTYPES})")
-        if request.mask.block_mask is not None:
-            raise NotImplementedError("block-sparse masks (block_mask) are not supported by "
-                                      "the pallas_decode kernel; use kernel='xla_decode'")
+        check_request(request, self.name, fallback="xla_decode")
 
     def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
             kv_seg=None):

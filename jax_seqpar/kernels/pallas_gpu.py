@@ -299,6 +299,25 @@ def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
 
 
 # --------------------------------------------------------------------------- backend
+def check_request(request: KernelRequest, name: str, fallback: str) -> None:
+    """What the Pallas kernels (``name``) refuse, with ``NotImplementedError``: head dims
+    outside ``HEAD_DIMS``, dtypes outside ``DTYPES``, block masks (use ``fallback``)."""
+    if request.head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"head_dim={request.head_dim} is not supported by the "
+                                  f"{name} kernel (supported: {HEAD_DIMS})")
+    if str(request.dtype) not in DTYPES:
+        raise NotImplementedError(f"dtype {request.dtype} is not supported by the {name} "
+                                  f"kernel (supported: {DTYPES})")
+    if request.mask.block_mask is not None:
+        raise NotImplementedError(f"block-sparse masks (block_mask) are not supported by "
+                                  f"the {name} kernel; use kernel={fallback!r}")
+
+
+def interpret_mode(interpret: Optional[bool]) -> bool:
+    """``interpret=None``: interpret off GPU (slow, for tests), compile on GPU."""
+    return default_platform() != "gpu" if interpret is None else interpret
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasKernel:
     """The Pallas backend.  ``config=None`` picks ``default_config(head_dim, dtype)``;
@@ -316,7 +335,7 @@ class PallasKernel:
         return self.config or default_config(head_dim, dtype)
 
     def _interpret(self) -> bool:
-        return default_platform() != "gpu" if self.interpret is None else self.interpret
+        return interpret_mode(self.interpret)
 
     @property
     def supports_check_vma(self) -> bool:
@@ -325,15 +344,7 @@ class PallasKernel:
         return not self._interpret()
 
     def check(self, request: KernelRequest) -> None:
-        if request.head_dim not in HEAD_DIMS:
-            raise NotImplementedError(f"head_dim={request.head_dim} is not supported by the "
-                                      f"pallas kernel (supported: {HEAD_DIMS})")
-        if str(request.dtype) not in DTYPES:
-            raise NotImplementedError(f"dtype {request.dtype} is not supported by the pallas "
-                                      f"kernel (supported: {DTYPES})")
-        if request.mask.block_mask is not None:
-            raise NotImplementedError("block-sparse masks (block_mask) are not supported by "
-                                      "the pallas kernel; use kernel='xla'")
+        check_request(request, self.name, fallback="xla")
 
     def _check_call(self, q, k, q_pos, kv_pos):
         D = q.shape[-1]
