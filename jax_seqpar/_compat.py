@@ -120,3 +120,64 @@ def kernel_checks_vma(kernel) -> bool:
     shard_map around them is built without the check.
     """
     return bool(getattr(kernel, "supports_check_vma", True))
+
+
+# --------------------------------------------------------------------------------------
+# cuDNN fused attention (JAX's private module); kernels/cudnn.py is the only caller.
+# --------------------------------------------------------------------------------------
+
+_CUDNN_NEEDS = ("dot_product_attention", "MaskType", "AttentionLayout",
+                "_dot_product_attention_bwd_p_wrapper")
+
+
+def cudnn_module():
+    """``jax._src.cudnn.fused_attention_stablehlo``, or ``NotImplementedError`` naming the
+    installed JAX version when it lacks what ``kernels/cudnn.py`` uses."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError as e:  # pragma: no cover - depends on the JAX build
+        raise NotImplementedError(
+            f"kernel='cudnn' needs jax._src.cudnn.fused_attention_stablehlo, which JAX "
+            f"{jax.__version__} does not have ({e})") from None
+    missing = [n for n in _CUDNN_NEEDS if not hasattr(fa, n)]
+    if missing:  # pragma: no cover - depends on the JAX build
+        raise NotImplementedError(
+            f"kernel='cudnn' needs {missing} from jax._src.cudnn.fused_attention_stablehlo, "
+            f"which JAX {jax.__version__} does not have (written against JAX 0.10-0.11)")
+    return fa
+
+
+def _cudnn_mask(fa, causal: bool, window_left):
+    mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    # cuDNN's window is the exclusive left bound of a causal band: keys (i - w, i].
+    return mask_type, (None if window_left is None else int(window_left) + 1)
+
+
+def cudnn_attention_fwd(q, k, v, *, scale: float, causal: bool, window_left=None,
+                        with_lse: bool = True):
+    """cuDNN flash attention, BTNH: returns ``(o [B, T, N, H] in q.dtype,
+    stats [B, N, T] float32)``; the statistics are the natural-log logsumexp of the
+    scaled scores of each row.  ``with_lse=False``: cuDNN's inference kernel, which
+    writes no statistics (``stats`` is None)."""
+    fa = cudnn_module()
+    mask_type, window = _cudnn_mask(fa, causal, window_left)
+    out = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask_type,
+                                   sliding_window_length=window, return_residual=with_lse)
+    return tuple(out) if with_lse else (out, None)
+
+
+def cudnn_attention_bwd(q, k, v, o, stats, do, *, scale: float, causal: bool,
+                        window_left=None):
+    """cuDNN's attention backward primitive from the given output ``o`` and statistics
+    (lse ``[B, N, T]`` float32): ``(dq, dk, dv)`` in the input dtype.  ``o`` and ``stats``
+    may be those of a larger attention this tile belongs to (cuDNN derives
+    ``rowsum(dO * O)`` from them)."""
+    fa = cudnn_module()
+    mask_type, window = _cudnn_mask(fa, causal, window_left)
+    unused = jax.numpy.zeros(0, q.dtype)
+    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, unused, unused, unused, unused, unused, unused, stats, o, do,
+        scale=scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=mask_type, layout=fa.AttentionLayout.BTNH.value,
+        sliding_window_length=window)
+    return tuple(grads[:3])

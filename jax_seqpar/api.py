@@ -147,7 +147,8 @@ def attention(
     check_divisible(layout, q.shape[1], G, stripe)
     cfg = make_config(q, k, axis_name=axis_name, causal=causal, window=window,
                       segment_ids=segment_ids, scale=scale, layout=layout,
-                      backward=backward, kernel=kernel, block_mask=bm, stripe=stripe)
+                      backward=backward, kernel=kernel, block_mask=bm, stripe=stripe,
+                      bwd_has_o=strategy != "tree")  # tree's backward passes delta only
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
     key = (cfg, strategy, mesh, G, permuted, len(args))
     try:

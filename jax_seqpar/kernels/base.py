@@ -16,8 +16,27 @@ larger attention of which this tile is a part (that is how ring attention uses i
 ``delta = rowsum(do * o)`` ``[B, Hq, Tq]`` may be passed precomputed (BurstAttention
 Alg. 2, line 2) so that it is not recomputed at every ring step.
 
+**Tile kinds.**  The caller states what it knows *statically* about a tile, since under
+``jit`` the positions are traced and a backend that cannot read them (cuDNN,
+flash-attn-jax) could otherwise serve nothing but unmasked tiles:
+
+* ``TILE_DENSE``: no mask on this tile (the caller passes ``MaskSpec()``); positions do
+  not matter.  Segment ids, if any, still apply.
+* ``TILE_ALIGNED``: query and key rows carry the *same consecutive* positions,
+  ``q_pos == kv_pos == p0 + arange(T)``.  A causal or sliding-window mask is then the
+  same function of the local indices ``(i, j)`` as of the positions, so a backend may
+  apply it by index and ignore the traced positions.  (The diagonal tiles of a ring.)
+* ``TILE_GENERAL``: the positions decide; only backends that read them serve it.
+
+``KernelRequest.tile`` carries the kind; a backend that reads the kind from its calls
+sets ``tile_aware = True`` and receives ``tile=`` in ``fwd``/``bwd``.  A backend whose
+backward needs ``o`` (it cannot take ``delta`` alone) sets ``needs_o = True``;
+``KernelRequest.bwd_has_o`` says whether the caller will pass ``o``.
+
 A backend that cannot honour a request raises ``NotImplementedError`` saying why;
-``kernel="auto"`` picks the highest-priority registered backend that accepts it.
+``kernel="auto"`` picks, per tile kind, the first backend of ``AUTO_ORDER`` (measured
+speeds) that accepts it, then the other registered backends by priority.
+``TileKernels`` resolves one call's backend for each tile kind.
 """
 
 from __future__ import annotations
@@ -33,6 +52,23 @@ from jax_seqpar.masks import MaskSpec
 PLANNED_KERNELS: Dict[str, str] = {
 }
 
+TILE_DENSE = "dense"
+TILE_ALIGNED = "aligned"
+TILE_GENERAL = "general"
+TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
+
+#: ``kernel="auto"``: backends to try first, fastest first, per (platform, tile kind).
+#: Measured on H200s, JAX 0.11.2, bf16, B=1, H=16, D=128, S=16k (2026-11-22,
+#: benchmarks/RESULTS.md): cuDNN forward 564 TFLOP/s (531 causal), forward+backward
+#: 579 (563); the Pallas (Triton) kernel 413 (314) and 368 (319); the xla kernel is
+#: 10-15x slower than Pallas.  cuDNN cannot read positions, so it serves dense and
+#: aligned tiles only; general tiles go to Pallas.  Backends not listed follow by priority.
+AUTO_ORDER: Dict[Tuple[str, str], Tuple[str, ...]] = {
+    ("gpu", TILE_DENSE): ("cudnn", "pallas", "xla"),
+    ("gpu", TILE_ALIGNED): ("cudnn", "pallas", "xla"),
+    ("gpu", TILE_GENERAL): ("pallas", "xla"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelRequest:
@@ -43,6 +79,12 @@ class KernelRequest:
     head_dim: int
     mask: MaskSpec
     has_segments: bool = False
+    tile: str = TILE_GENERAL
+    bwd_has_o: bool = True  # the backward will be given the forward output ``o``
+
+    def __post_init__(self):
+        if self.tile not in TILE_KINDS:
+            raise ValueError(f"tile={self.tile!r} must be one of {TILE_KINDS}")
 
 
 class AttentionKernel(Protocol):
@@ -81,13 +123,19 @@ def available_kernels() -> Tuple[str, ...]:
     return tuple(sorted(_REGISTRY, key=lambda n: -_REGISTRY[n].priority))
 
 
+def auto_candidates(platform: str, tile: str) -> Tuple[str, ...]:
+    """The order in which ``kernel="auto"`` tries backends for this platform and tile."""
+    first = tuple(n for n in AUTO_ORDER.get((platform, tile), ()) if n in _REGISTRY)
+    return first + tuple(n for n in available_kernels() if n not in first)
+
+
 def get_kernel(name: str, request: KernelRequest) -> AttentionKernel:
     """Resolve ``name`` (or ``"auto"``) to a backend that accepts ``request``."""
     if not isinstance(name, str):
         raise TypeError(f"kernel={name!r} must be a string")
     if name == "auto":
         reasons = []
-        for cand in available_kernels():
+        for cand in auto_candidates(request.platform, request.tile):
             entry = _REGISTRY[cand]
             if request.platform not in entry.platforms:
                 continue

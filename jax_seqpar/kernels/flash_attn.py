@@ -17,14 +17,16 @@ mask convention: query row ``i`` sees key column ``j`` iff
 This adapter serves only requests it can express *exactly* in that convention:
 
 * bf16 / f16 inputs, no segment ids, no block mask;
-* a dense mask (positions do not matter), or causal / window masks with *concrete*,
-  contiguous positions (``q_pos = q0 + arange(Tq)``, ``kv_pos = k0 + arange(Tk)``) whose
-  offset maps onto non-negative window sides and leaves no query row without a key.
-  Positions are concrete only when the kernel's ``fwd``/``bwd`` are called outside
-  ``jit``: under ``jit`` even positions built from constants are traced, and inside a
-  ring they depend on ``lax.axis_index``.  So through ``jsp.attention`` (and any jitted
-  caller) this backend serves non-causal, unwindowed requests, and a causal or window
-  request raises ``NotImplementedError`` -- use ``pallas`` or ``xla``;
+* a dense mask (positions do not matter); causal / window masks on an *aligned* tile
+  (the caller states that queries and keys sit at the same consecutive positions,
+  ``base.TILE_ALIGNED``: the diagonal tiles of a ring), whose positions may be traced;
+  or causal / window masks with *concrete*, contiguous positions
+  (``q_pos = q0 + arange(Tq)``, ``kv_pos = k0 + arange(Tk)``) whose offset maps onto
+  non-negative window sides and leaves no query row without a key.  Positions are
+  concrete only outside ``jit``; inside a ring they depend on ``lax.axis_index``.  So a
+  causal zigzag or contiguous ring runs entirely on this backend (its off-diagonal tiles
+  are dense, its diagonal tiles aligned), while general tiles (windows across devices,
+  the striped layout) raise ``NotImplementedError`` -- use ``pallas`` or ``xla``;
 * a backward that is given ``o`` (FlashAttention recomputes ``delta = rowsum(dO * O)``
   from it; with the global ``o`` and ``lse`` of a ring this is the right delta).
 
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.kernels.base import KernelRequest, register_kernel
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_GENERAL, KernelRequest, register_kernel
 from jax_seqpar.masks import MaskSpec
 
 F32 = jnp.float32
@@ -79,18 +81,25 @@ def _static_start(pos, name: str) -> int:
     return int(p[0])
 
 
-def flash_window(mask: MaskSpec, q_pos, kv_pos, Tq: int, Tk: int) -> Tuple[int, int]:
+def flash_window(mask: MaskSpec, q_pos, kv_pos, Tq: int, Tk: int,
+                 aligned: bool = False) -> Tuple[int, int]:
     """``(left, right)`` in FlashAttention-2's convention for ``mask`` at these positions.
 
     Our mask: key ``k`` visible from query ``q`` iff ``-left_limit <= k - q <= right_limit``.
     With ``q = q0 + i`` and ``k = k0 + j`` that is
     ``i + d - left_limit <= j <= i + d + right_limit`` with ``d = q0 - k0``; FlashAttention
     centres its band on ``i + Tk - Tq``, so its sides are ``left_limit + (Tk - Tq) - d`` and
-    ``right_limit + d - (Tk - Tq)``.
+    ``right_limit + d - (Tk - Tq)``.  ``aligned``: the caller guarantees ``d = 0`` and
+    ``Tq == Tk`` (an aligned tile), so traced positions are fine.
     """
     if mask.left_limit is None and mask.right_limit is None:
         return (-1, -1)
-    d = _static_start(q_pos, "q_pos") - _static_start(kv_pos, "kv_pos")
+    if aligned:
+        if Tq != Tk:
+            raise ValueError(f"an aligned tile has as many queries as keys; got {Tq}, {Tk}")
+        d = 0
+    else:
+        d = _static_start(q_pos, "q_pos") - _static_start(kv_pos, "kv_pos")
     shift = Tk - Tq
     left = -1 if mask.left_limit is None else mask.left_limit + shift - d
     right = -1 if mask.right_limit is None else mask.right_limit + d - shift
@@ -113,6 +122,8 @@ class FlashAttnKernel:
     """The ``flash_attn`` backend (see the module docstring for what it accepts)."""
 
     name: str = "flash_attn"
+    tile_aware = True   # receives tile= in fwd/bwd
+    needs_o = True      # FlashAttention's backward derives delta from o
 
     def available(self) -> None:
         """Raise ``NotImplementedError`` unless flash-attn-jax imports."""
@@ -129,27 +140,32 @@ class FlashAttnKernel:
             raise NotImplementedError("kernel='flash_attn' has no segment ids")
         if request.mask.block_mask is not None:
             raise NotImplementedError("kernel='flash_attn' has no block-sparse masks")
+        if not request.bwd_has_o:
+            raise NotImplementedError("kernel='flash_attn' needs the output o in the "
+                                      "backward, and this strategy passes only delta")
         self.available()
 
-    def _args(self, q, k, q_pos, kv_pos, mask, q_seg):
+    def _args(self, q, k, q_pos, kv_pos, mask, q_seg, tile=TILE_GENERAL):
         if q_seg is not None:
             raise NotImplementedError("kernel='flash_attn' has no segment ids")
         if mask.block_mask is not None:
             raise NotImplementedError("kernel='flash_attn' has no block-sparse masks")
         if str(jnp.dtype(q.dtype)) not in DTYPES:
             raise NotImplementedError(f"kernel='flash_attn' supports {DTYPES}")
-        return flash_window(mask, q_pos, kv_pos, q.shape[1], k.shape[1])
+        return flash_window(mask, q_pos, kv_pos, q.shape[1], k.shape[1],
+                            aligned=tile == TILE_ALIGNED)
 
     def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
-            kv_seg=None):
-        window = self._args(q, k, q_pos, kv_pos, mask, q_seg)
+            kv_seg=None, *, tile: str = TILE_GENERAL):
+        window = self._args(q, k, q_pos, kv_pos, mask, q_seg, tile)
         out, lse = _functions()[0](q, k, v, softmax_scale=float(scale), is_causal=False,
                                    window_size_left=window[0], window_size_right=window[1])
         return out.astype(F32), lse.astype(F32)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
-            q_seg=None, kv_seg=None, delta: Optional[jax.Array] = None):
-        window = self._args(q, k, q_pos, kv_pos, mask, q_seg)
+            q_seg=None, kv_seg=None, delta: Optional[jax.Array] = None, *,
+            tile: str = TILE_GENERAL):
+        window = self._args(q, k, q_pos, kv_pos, mask, q_seg, tile)
         if o is None:
             raise NotImplementedError("kernel='flash_attn' needs the output o in the "
                                       "backward (it derives delta from it); tree attention "
@@ -161,5 +177,5 @@ class FlashAttnKernel:
         return dq.astype(F32), dk.astype(F32), dv.astype(F32)
 
 
-# Never picked by "auto" (it refuses most ring requests); ask for it by name.
+# Never picked by "auto" (cuDNN is faster on the tiles both serve); ask for it by name.
 register_kernel("flash_attn", FlashAttnKernel, priority=-10, platforms=("gpu",))

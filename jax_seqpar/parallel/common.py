@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels.base import AttentionKernel, KernelRequest, default_platform, get_kernel
+from jax_seqpar.kernels.base import AttentionKernel, KernelRequest, default_platform
+from jax_seqpar.kernels.tiles import TileKernels, tile_kernels
 from jax_seqpar.layouts import check_layout
 from jax_seqpar.masks import MaskSpec, WindowArg
 
@@ -35,12 +36,16 @@ class AttnConfig:
     axis_name: AxisName
     mask: MaskSpec
     scale: float
-    kernel: AttentionKernel
+    kernel: TileKernels  # the backend of each tile kind (kernels/tiles.py)
     layout: str = "contiguous"
     backward: str = "kv"
     stripe: int = 1  # run length of the "striped" layout
 
     def __post_init__(self):
+        if not isinstance(self.kernel, TileKernels):  # one kernel object for every tile kind
+            request = KernelRequest(platform=default_platform(), dtype="float32", head_dim=1,
+                                    mask=self.mask)
+            object.__setattr__(self, "kernel", TileKernels(self.kernel, request))
         check_layout(self.layout)
         if self.backward not in BACKWARDS:
             raise ValueError(f"unknown backward={self.backward!r}; choose one of {BACKWARDS}")
@@ -49,8 +54,12 @@ class AttnConfig:
 def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
                 segment_ids, scale: Optional[float], layout: str, backward: str,
                 kernel: Union[str, AttentionKernel], block_mask=None,
-                stripe: int = 1) -> AttnConfig:
-    """Validate per-call options and resolve ``kernel`` into a backend object."""
+                stripe: int = 1, bwd_has_o: bool = True) -> AttnConfig:
+    """Validate per-call options and resolve ``kernel`` into a backend per tile kind.
+
+    ``bwd_has_o=False``: the strategy's backward will not pass the forward output ``o``
+    to the kernel (only ``delta``), so backends that need it are not chosen.
+    """
     mask = MaskSpec(causal=causal, window=window, block_mask=block_mask)
     D = q.shape[-1]
     if scale is None:
@@ -61,10 +70,10 @@ def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
             callable(getattr(kernel, m, None)) for m in ("fwd", "bwd", "check")):
         raise TypeError(f"kernel={kernel!r} must be a backend name ('auto', 'xla', ...) or a "
                         f"kernel object with fwd, bwd and check methods (kernels/base.py)")
-    if isinstance(kernel, str):
-        request = KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
-                                head_dim=D, mask=mask, has_segments=segment_ids is not None)
-        kernel = get_kernel(kernel, request)
+    request = KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
+                            head_dim=D, mask=mask, has_segments=segment_ids is not None,
+                            bwd_has_o=bwd_has_o)
+    kernel = tile_kernels(kernel, request)
     return AttnConfig(axis_name=axis_name, mask=mask, scale=float(scale), kernel=kernel,
                       layout=layout, backward=backward, stripe=stripe)
 

@@ -17,6 +17,8 @@ dense and causal masks, shorter chains for sliding windows; ``H = sum(chains)``.
   float32 row statistics D = rowsum(dO * O) and lse; the dQ accumulator goes as above:
   ``H * (2*B*T*Hq*D*e + 2*B*Hq*T*4) + sum_chains ((n-1) * B*T*Hq*D*4 + B*T*Hq*D*e)``.
 * segment ids (int32, ``B*T*4``) travel with K, V (forward, "kv") or with Q ("q").
+* with a local kernel whose backward needs the output ``o`` (cuDNN), "q" carries ``O``
+  (``B*T*Hq*D*e``) in place of D (``B*Hq*T*4``): ``RingShape.o_travels``.
 
 Per token and head and full ring, that is ``4*D`` elements for "kv" against ``3*D + 2``
 for "q" (BurstAttention §3.3, Table 1): the Burst scheme moves ~25% less for MHA.  With
@@ -49,11 +51,12 @@ class RingShape:
     itemsize: int        # bytes per element of q/k/v/dO
     has_segments: bool = False
     chains: Optional[Tuple[int, ...]] = None  # hop chains; None: the full ring (G - 1,)
+    o_travels: bool = False  # "q" carries O instead of D (kernels with needs_o)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
-            if f.name not in ("has_segments", "chains") and (not isinstance(val, int) or val < 1):
+            if f.name not in ("has_segments", "chains", "o_travels") and (not isinstance(val, int) or val < 1):
                 raise ValueError(f"{f.name}={val!r} must be a positive int")
         if self.chains is None:
             object.__setattr__(self, "chains", (self.num_devices - 1,) if self.num_devices > 1 else ())
@@ -82,7 +85,9 @@ def backward_bytes(scheme: str, s: RingShape) -> int:
         travel = 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s)
         acc_elems = 2 * B * T * s.kv_heads * D
     elif scheme == "q":
-        travel = 2 * B * T * s.q_heads * D * s.itemsize + 2 * B * s.q_heads * T * ACC_BYTES + _seg(s)
+        rows = B * T * s.q_heads * D * s.itemsize if s.o_travels else B * s.q_heads * T * ACC_BYTES
+        travel = (2 * B * T * s.q_heads * D * s.itemsize + B * s.q_heads * T * ACC_BYTES + rows
+                  + _seg(s))
         acc_elems = B * T * s.q_heads * D
     else:
         raise ValueError(f"unknown backward scheme {scheme!r}; choose 'kv' or 'q'")

@@ -19,6 +19,12 @@ Eq. 12):
 
 This matters wherever a per-tile ``cond`` is expensive (on GPUs each one waits for its
 predicate): the mask-free calls have none.  Segment ids are still applied.
+
+Every kernel call states its tile kind (``kernels/base.py``): mask-free calls are dense,
+the causal halves ``a x a`` and ``b x b`` of the same device are aligned (same
+consecutive positions on both sides), and so is the whole same-device block under the
+contiguous layout; everything else is general.  So backends that read no positions
+(cuDNN) serve every tile of a causal zigzag or contiguous ring.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar._compat import vary_like
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel.merge import merge
 
@@ -44,6 +51,18 @@ def _structured(cfg) -> bool:
 
 def _seg(x, sl):
     return None if x is None else x[:, sl]
+
+
+def _tile(mask: MaskSpec, aligned: bool) -> str:
+    """The tile kind of a call with ``mask``; ``aligned``: same consecutive positions."""
+    if mask.is_dense:
+        return TILE_DENSE
+    return TILE_ALIGNED if aligned and mask.block_mask is None else TILE_GENERAL
+
+
+def _general_aligned(cfg, same: bool) -> bool:
+    """Whether a whole same-device block has consecutive positions (contiguous layout)."""
+    return same and cfg.layout == "contiguous"
 
 
 def _general(cfg, q_pos, kv_pos, nothing, compute):
@@ -69,12 +88,14 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
         return vary_like((jnp.zeros((B, T, Hq, D), F32), jnp.full((B, Hq, T), -jnp.inf, F32)),
                          q, k, v)
 
-    def call(qs, ks, vs, qp, kp, qsg, ksg, mask):
-        return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg)
+    def call(qs, ks, vs, qp, kp, qsg, ksg, mask, aligned=False):
+        return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg,
+                              tile=_tile(mask, aligned))
 
     if not _structured(cfg) or (same and k.shape[1] % 2):
+        aligned = _general_aligned(cfg, same) and half is None
         return _general(cfg, q_pos, kv_pos, empty,
-                        lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
+                        lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, aligned))
     if half is not None:
         return _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev,
                          kv_dev, same=same, half=half)
@@ -84,7 +105,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
     if same:
         def part(qs, ks, mask):
             return call(q[:, qs], k[:, ks], v[:, ks], q_pos[qs], kv_pos[ks], _seg(q_seg, qs),
-                        _seg(kv_seg, ks), mask)
+                        _seg(kv_seg, ks), mask, aligned=qs == ks)
         o1, lse1 = part(first, first, cfg.mask)
         o2, lse2 = merge(*part(second, first, _DENSE), *part(second, second, cfg.mask))
         return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=-1)
@@ -123,11 +144,14 @@ def _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv
     h = k.shape[1] // 2
     a, b = slice(0, h), slice(h, None)
 
-    def keys(sl, mask):
-        return call(q, k[:, sl], v[:, sl], q_pos, kv_pos[sl], q_seg, _seg(kv_seg, sl), mask)
+    def keys(sl, mask, aligned=False):
+        return call(q, k[:, sl], v[:, sl], q_pos, kv_pos[sl], q_seg, _seg(kv_seg, sl), mask,
+                    aligned)
 
-    if same:
-        return keys(a, cfg.mask) if half == 0 else merge(*keys(a, _DENSE), *keys(b, cfg.mask))
+    if same:  # the query half against its own key half is a diagonal (aligned) tile
+        if half == 0:
+            return keys(a, cfg.mask, aligned=True)
+        return merge(*keys(a, _DENSE), *keys(b, cfg.mask, aligned=True))
     if cfg.layout == "contiguous":
         return lax.cond(kv_dev < q_dev, lambda: keys(slice(None), _DENSE), empty)
     later = empty if half == 0 else (lambda: keys(slice(None), _DENSE))
@@ -135,27 +159,33 @@ def _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv
 
 
 def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *,
-             same: bool):
-    """Float32 ``(dq, dk, dv)`` of this pair, with the global ``lse`` and ``delta``."""
+             same: bool, o=None):
+    """Float32 ``(dq, dk, dv)`` of this pair, with the global ``lse`` and ``delta`` (and
+    the global output ``o`` of the query rows, which backends with ``needs_o`` use)."""
     def zeros():
         return vary_like((jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32),
                           jnp.zeros(v.shape, F32)), q, k, v, do, lse)
 
-    def call(qs, ks, vs, ls, dos, ds, qp, kp, qsg, ksg, mask):
-        return cfg.kernel.bwd(qs, ks, vs, None, ls, dos, qp, kp, mask, cfg.scale, qsg, ksg,
-                              delta=ds)
+    def call(qs, ks, vs, ls, dos, ds, qp, kp, qsg, ksg, mask, os=None, aligned=False):
+        return cfg.kernel.bwd(qs, ks, vs, os, ls, dos, qp, kp, mask, cfg.scale, qsg, ksg,
+                              delta=ds, tile=_tile(mask, aligned))
+
+    def rows(sl):
+        return None if o is None else o[:, sl]
 
     T = q.shape[1]
     if not _structured(cfg) or (same and T % 2):
         return _general(cfg, q_pos, kv_pos, zeros, lambda: call(
-            q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask))
+            q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, o,
+            _general_aligned(cfg, same)))
 
     h = T // 2
     first, second = slice(0, h), slice(h, T)
     if same:
         def part(qs, ks, mask):
             return call(q[:, qs], k[:, ks], v[:, ks], lse[..., qs], do[:, qs], delta[..., qs],
-                        q_pos[qs], kv_pos[ks], _seg(q_seg, qs), _seg(kv_seg, ks), mask)
+                        q_pos[qs], kv_pos[ks], _seg(q_seg, qs), _seg(kv_seg, ks), mask,
+                        rows(qs), aligned=qs == ks)
         dq1, dk1, dv1 = part(first, first, cfg.mask)
         dq2, dk1b, dv1b = part(second, first, _DENSE)
         dq2b, dk2, dv2 = part(second, second, cfg.mask)
@@ -164,19 +194,19 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
 
     if cfg.layout == "contiguous":
         def full():
-            return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, _DENSE)
+            return call(q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, _DENSE, o)
         return lax.cond(kv_dev < q_dev, full, zeros)
 
     def earlier():
         dq, dk1, dv1 = call(q, k[:, first], v[:, first], lse, do, delta, q_pos, kv_pos[first],
-                            q_seg, _seg(kv_seg, first), _DENSE)
+                            q_seg, _seg(kv_seg, first), _DENSE, o)
         _, dk, dv = zeros()
         return dq, dk.at[:, first].set(dk1), dv.at[:, first].set(dv1)
 
     def later():
         dq2, dk, dv = call(q[:, second], k, v, lse[..., second], do[:, second],
                            delta[..., second], q_pos[second], kv_pos, _seg(q_seg, second),
-                           kv_seg, _DENSE)
+                           kv_seg, _DENSE, rows(second))
         dq, _, _ = zeros()
         return dq.at[:, second].set(dq2), dk, dv
 

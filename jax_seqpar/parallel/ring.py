@@ -93,7 +93,8 @@ def ring_shape(cfg: AttnConfig, q, k, segment_ids, num_devices: int) -> RingShap
     return RingShape(num_devices=num_devices, batch=B, tokens=T, q_heads=Hq,
                      kv_heads=k.shape[2], head_dim=D, itemsize=jnp.dtype(q.dtype).itemsize,
                      has_segments=segment_ids is not None,
-                     chains=tuple(n for _, n in sched.chains()))
+                     chains=tuple(n for _, n in sched.chains()),
+                     o_travels=cfg.kernel.needs_o)
 
 
 def _schedule(cfg: AttnConfig, T: int, G: int) -> RingSchedule:
@@ -202,15 +203,16 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     idx = lax.axis_index(cfg.axis_name)
     q_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)  # once, not per step (BurstAttention Alg. 2 line 2)
+    o_home = o if cfg.kernel.needs_o else None  # for backends that take o, not delta
     dq, dk, dv = pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, q_pos, seg, seg, idx, idx,
-                          same=True)
+                          same=True, o=o_home)
     for direction, n in _schedule(cfg, T, G).chains():
         def visit(block, hop, dq, direction=direction):
             kv, sc = block
             src = (idx - direction * hop) % G
             dq_s, dk_s, dv_s = pair_bwd(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
                                         _positions(cfg, src, T, G), seg, sc, idx, src,
-                                        same=False)
+                                        same=False, o=o_home)
             return (dk_s, dv_s), dq + dq_s
 
         (dk_home, dv_home), dq = _chain(cfg, G, direction, n, (jnp.stack([k, v]), seg),
@@ -225,25 +227,34 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     Line 2: ``D = rowsum(dO * O)`` once.  Lines 4-16: each query block visits the devices
     whose keys it may see (the opposite way to the forward's key/value blocks), adding to
     its travelling dQ (line 14) and to the visited device's own dK, dV (lines 10, 13).
+
+    With a backend that needs the output ``o`` in its backward (cuDNN: ``needs_o``), ``o``
+    travels in place of ``D`` (``D`` elements per row in the input dtype instead of one
+    float32; ``costs.RingShape.o_travels``) and ``D`` is recomputed on arrival.
     """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
     idx = lax.axis_index(cfg.axis_name)
     kv_pos = _positions(cfg, idx, T, G)
     delta = attention_delta(o, do)
+    needs_o = cfg.kernel.needs_o
     dq, dk, dv = pair_bwd(cfg, q, k, v, lse, do, delta, kv_pos, kv_pos, seg, seg, idx, idx,
-                          same=True)
+                          same=True, o=o if needs_o else None)
     for direction, n in _schedule(cfg, T, G).chains():
         qdir = -direction  # the query block of device a must reach device a - offset
 
         def visit(block, hop, dkv, qdir=qdir):
             qc, doc, dc, lc, sc = block
+            oc = dc if needs_o else None
+            if needs_o:
+                dc = attention_delta(oc, doc)
             src = (idx - qdir * hop) % G
             dq_s, dk_s, dv_s = pair_bwd(cfg, qc, k, v, lc, doc, dc, _positions(cfg, src, T, G),
-                                        kv_pos, sc, seg, src, idx, same=False)
+                                        kv_pos, sc, seg, src, idx, same=False, o=oc)
             return dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
 
-        dq_home, (dk, dv) = _chain(cfg, G, qdir, n, (q, do, delta, lse, seg), visit,
+        rows = o if needs_o else delta
+        dq_home, (dk, dv) = _chain(cfg, G, qdir, n, (q, do, rows, lse, seg), visit,
                                    (dk, dv), q)
         dq = dq + dq_home
     return dq, dk, dv

@@ -1,0 +1,330 @@
+"""cuDNN tiles through the kernel contract: GPU check, tile speed, ring speed (issue 16).
+
+Phases (``--phases``, comma-separated; default ``check,tile,ring`` on GPUs):
+
+* ``check``: the ``cudnn`` backend against the float32 reference on every tile kind it
+  serves -- dense (``Tq != Tk``), aligned causal, aligned causal window, GQA -- for
+  bf16 / f16 and head dims 64 / 128 / 256: outputs, lse, and gradients from the given
+  (reference) ``o`` and ``lse``; plus a tile that is half of a larger attention (its
+  backward from the *global* ``o`` and ``lse``, as a ring step calls it).  With several
+  GPUs also ring attention with ``kernel="cudnn"`` and ``"auto"`` against
+  ``kernel="xla"``: zigzag and contiguous causal, non-causal, both backwards, GQA.
+* ``tile``: S = 16k, B = 1, H = 16, D = 128, bf16: forward and forward+backward of the
+  cudnn tile through the contract (``parallel.local.local_attention``) against a direct
+  ``jax.nn.dot_product_attention(implementation="cudnn")`` call, and the Pallas tile,
+  causal and not, in one run.
+* ``ring``: forward+backward of ``jsp.attention`` on all GPUs (zigzag causal and
+  non-causal, ``--ring-seqs``), ``kernel`` in {pallas, cudnn, auto}, ``backward`` in
+  {kv, q} for cudnn, against one GPU running cuDNN (``jax.nn``) on the whole sequence:
+  the speedup a user sees.
+
+    python benchmarks/cudnn_tiles.py                    # on GPUs: all phases
+    python benchmarks/cudnn_tiles.py --phases check     # CPU: refuses (cuDNN is GPU-only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import _setup  # noqa: F401,E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_seqpar as jsp  # noqa: E402
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, KernelRequest  # noqa: E402
+from jax_seqpar.kernels.cudnn import CudnnKernel  # noqa: E402
+from jax_seqpar.kernels.tiles import TileKernels  # noqa: E402
+from jax_seqpar.masks import MaskSpec  # noqa: E402
+from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
+from jax_seqpar.parallel.local import local_attention  # noqa: E402
+from jax_seqpar.reference import reference_attention  # noqa: E402
+from _util import env_info, out_dir, save_json, time_fn  # noqa: E402
+
+BUDGET = 2e-2  # bf16 / f16 (DESIGN.md)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ok = np.isfinite(b)
+    n = np.linalg.norm(np.where(ok, b, 0))
+    return float(np.linalg.norm(np.where(ok, a - b, 0)) / (n if n > 0 else 1.0))
+
+
+def _qkv(seed, B, Tq, Tk, Hq, Hkv, D, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, Tk, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, Tk, Hkv, D), dtype)
+    do = jax.random.normal(ks[3], (B, Tq, Hq, D), dtype)
+    return q, k, v, do
+
+
+def _ref(q, k, v, q_pos, kv_pos, mask, scale):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return reference_attention(f32(q), f32(k), f32(v), q_pos=q_pos, kv_pos=kv_pos,
+                               causal=mask.causal, window=mask.window, scale=scale)
+
+
+# ---------------------------------------------------------------------------- check
+TILE_CASES = {
+    # name: (B, Tq, Tk, Hq, Hkv, tile, mask)
+    "dense": (2, 256, 384, 4, 4, TILE_DENSE, MaskSpec()),
+    "dense_gqa": (1, 384, 256, 8, 2, TILE_DENSE, MaskSpec()),
+    "aligned_causal": (2, 256, 256, 4, 4, TILE_ALIGNED, MaskSpec(causal=True)),
+    "aligned_causal_mqa": (1, 320, 320, 4, 1, TILE_ALIGNED, MaskSpec(causal=True)),
+    "aligned_window": (1, 384, 384, 4, 2, TILE_ALIGNED, MaskSpec(causal=True, window=(70, 0))),
+}
+
+
+def check_tiles(dims, dtypes):
+    rows = []
+    kern = CudnnKernel()
+    for (name, (B, Tq, Tk, Hq, Hkv, tile, mask)), D, dt in itertools.product(
+            TILE_CASES.items(), dims, dtypes):
+        dtype = jnp.dtype(dt)
+        q, k, v, do = _qkv(D + Tq, B, Tq, Tk, Hq, Hkv, D, dtype)
+        pos = jnp.arange(Tq, dtype=jnp.int32)
+        kv_pos = jnp.arange(Tk, dtype=jnp.int32)
+        scale = D ** -0.5
+        row = dict(case=name, D=D, dtype=dt)
+        try:
+            ro, rl = _ref(q, k, v, pos, kv_pos, mask, scale)
+            _, vjp = jax.vjp(lambda q, k, v: _ref(q, k, v, pos, kv_pos, mask, scale)[0],
+                             q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32))
+            rg = vjp(do.astype(jnp.float32))
+            fwd = jax.jit(lambda q, k, v: kern.fwd(q, k, v, pos, kv_pos, mask, scale,
+                                                   tile=tile))
+            o, lse = fwd(q, k, v)
+            bwd = jax.jit(lambda q, k, v, o, lse, do: kern.bwd(
+                q, k, v, o, lse, do, pos, kv_pos, mask, scale, tile=tile))
+            g = bwd(q, k, v, ro.astype(dtype), rl, do)
+            row.update(err_out=_rel(o, ro), err_lse=_rel(lse, rl),
+                       err_grads=max(_rel(a, b) for a, b in zip(g, rg)))
+            row["ok"] = max(row["err_out"], row["err_lse"], row["err_grads"]) <= BUDGET
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print(f"check {name:20s} D={D:3d} {dt:8s} "
+              + (f"out {row['err_out']:.1e} lse {row['err_lse']:.1e} grads "
+                 f"{row['err_grads']:.1e}" if "err_out" in row else row.get("error", ""))
+              + ("" if row["ok"] else "  FAIL"), flush=True)
+    return rows
+
+
+def check_split(D=128, dtype=jnp.bfloat16):
+    """A dense tile that is half of a larger attention: backward from the global o, lse."""
+    kern = CudnnKernel()
+    B, Tq, Tk, H = 1, 256, 512, 4
+    q, k, v, do = _qkv(11, B, Tq, Tk, H, H, D, dtype)
+    pos, kv_pos = jnp.arange(Tq, dtype=jnp.int32), jnp.arange(Tk, dtype=jnp.int32)
+    scale, mask = D ** -0.5, MaskSpec()
+    ro, rl = _ref(q, k, v, pos, kv_pos, mask, scale)
+    _, vjp = jax.vjp(lambda q, k, v: _ref(q, k, v, pos, kv_pos, mask, scale)[0],
+                     *(x.astype(jnp.float32) for x in (q, k, v)))
+    rq, rk, rv = vjp(do.astype(jnp.float32))
+    h = Tk // 2
+    parts = [kern.bwd(q, k[:, s], v[:, s], ro.astype(dtype), rl, do, pos, kv_pos[s], mask,
+                      scale, tile=TILE_DENSE) for s in (slice(0, h), slice(h, Tk))]
+    dq = parts[0][0] + parts[1][0]
+    dk = jnp.concatenate([parts[0][1], parts[1][1]], axis=1)
+    dv = jnp.concatenate([parts[0][2], parts[1][2]], axis=1)
+    err = max(_rel(dq, rq), _rel(dk, rk), _rel(dv, rv))
+    print(f"check split-tile backward from global o/lse: {err:.1e}", flush=True)
+    return [dict(case="split_global_o_lse", D=D, dtype=str(jnp.dtype(dtype)), err_grads=err,
+                 ok=err <= BUDGET)]
+
+
+def check_ring(G):
+    rows = []
+    mesh = jax.make_mesh((G,), ("sp",))
+    S, B, D = 2048 * G, 1, 128
+    for causal, layout, backward, (Hq, Hkv) in [
+            (True, "zigzag", "kv", (8, 2)), (True, "zigzag", "q", (4, 4)),
+            (True, "contiguous", "kv", (4, 4)), (True, "contiguous", "q", (8, 2)),
+            (False, "zigzag", "q", (4, 4)), (False, "contiguous", "kv", (8, 1))]:
+        q, k, v, do = _qkv(G + Hq, B, S, S, Hq, Hkv, D, jnp.bfloat16)
+        res = {}
+        for kernel in ("xla", "cudnn", "auto"):
+            f = lambda q, k, v: jsp.attention(q, k, v, mesh=mesh, causal=causal,  # noqa
+                                              layout=layout, backward=backward, kernel=kernel)
+            try:
+                out, vjp = jax.vjp(f, q, k, v)
+                res[kernel] = (out, vjp(do))
+            except Exception as e:
+                res[kernel] = e
+        base = res["xla"]
+        for kernel in ("cudnn", "auto"):
+            row = dict(case="ring", G=G, causal=causal, layout=layout, backward=backward,
+                       Hq=Hq, Hkv=Hkv, kernel=kernel)
+            r = res[kernel]
+            if isinstance(r, Exception) or isinstance(base, Exception):
+                e = r if isinstance(r, Exception) else base
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            else:
+                row["err_out"] = _rel(r[0], base[0])
+                row["err_grads"] = max(_rel(a, b) for a, b in zip(r[1], base[1]))
+                row["ok"] = max(row["err_out"], row["err_grads"]) <= BUDGET
+            rows.append(row)
+            print(f"check ring G={G} causal={causal!s:5s} {layout:10s} bwd={backward} "
+                  f"Hq/Hkv={Hq}/{Hkv} {kernel:5s} "
+                  + (f"out {row['err_out']:.1e} grads {row['err_grads']:.1e}"
+                     if "err_out" in row else row["error"])
+                  + ("" if row["ok"] else "  FAIL"), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- speed
+def attn_flops(B, H, S, D, causal):
+    f = 4 * B * H * S * S * D
+    return f / 2 if causal else f
+
+
+def _direct(causal, scale):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, implementation="cudnn")
+
+
+def _direct_lse(causal, scale):
+    """The direct call asked for its softmax statistics too, as a ring tile needs them."""
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, implementation="cudnn",
+        return_residual=True)[0]
+
+
+def _contract(kernel, causal, scale, S):
+    req = KernelRequest(platform="gpu", dtype="bfloat16", head_dim=128,
+                        mask=MaskSpec(causal=causal))
+    cfg = AttnConfig(axis_name="sp", mask=MaskSpec(causal=causal), scale=scale,
+                     kernel=TileKernels(kernel, req))
+    pos = jnp.arange(S, dtype=jnp.int32)
+    tile = TILE_ALIGNED if causal else TILE_DENSE
+    return lambda q, k, v: local_attention(cfg, q, k, v, pos, pos, tile=tile)
+
+
+def _time_pair(f, q, k, v, do, repeats):
+    fwd = jax.jit(f)
+    fb = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    return (time_fn(fwd, q, k, v, repeats=repeats)["median_s"],
+            time_fn(fb, q, k, v, do, repeats=repeats)["median_s"])
+
+
+def bench_tile(S=16384, H=16, D=128, repeats=10, rounds=2):
+    """Contract vs direct cuDNN and Pallas, interleaved ``rounds`` times (spread shown)."""
+    rows = []
+    q, k, v, do = _qkv(3, 1, S, S, H, H, D, jnp.bfloat16)
+    scale = D ** -0.5
+    for causal in (False, True):
+        fl = attn_flops(1, H, S, D, causal)
+        fns = {"cudnn_direct": _direct(causal, scale),
+               "cudnn_direct_lse": _direct_lse(causal, scale),
+               "cudnn_contract": _contract("cudnn", causal, scale, S),
+               "pallas_contract": _contract("pallas", causal, scale, S)}
+        times = {n: [] for n in fns}
+        for _ in range(rounds):
+            for n, f in fns.items():
+                try:
+                    times[n].append(_time_pair(f, q, k, v, do, repeats))
+                except Exception as e:
+                    print(f"tile {n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+        for n, ts in times.items():
+            if not ts:
+                continue
+            tf, tb = min(t[0] for t in ts), min(t[1] for t in ts)
+            rows.append(dict(S=S, H=H, D=D, causal=causal, kernel=n, fwd_s=tf, fwdbwd_s=tb,
+                             fwd_s_all=[t[0] for t in ts], fwdbwd_s_all=[t[1] for t in ts],
+                             fwd_tflops=fl / tf / 1e12, fwdbwd_tflops=3.5 * fl / tb / 1e12))
+        direct = next((r for r in rows[-len(times):] if r["kernel"] == "cudnn_direct"), None)
+        for r in rows[-len(times):]:
+            if direct:
+                r["fwd_vs_direct"] = direct["fwd_s"] / r["fwd_s"]
+                r["fwdbwd_vs_direct"] = direct["fwdbwd_s"] / r["fwdbwd_s"]
+            print(f"tile S={S} causal={causal!s:5s} {r['kernel']:16s} fwd "
+                  f"{r['fwd_tflops']:6.1f} TFLOP/s ({r.get('fwd_vs_direct', 0):.3f}x direct)  "
+                  f"fwd+bwd {r['fwdbwd_tflops']:6.1f} ({r.get('fwdbwd_vs_direct', 0):.3f}x)",
+                  flush=True)
+    return rows
+
+
+def bench_ring(seqs, H=16, D=128, repeats=5):
+    G = jax.device_count()
+    mesh = jax.make_mesh((G,), ("sp",))
+    rows = []
+    for S, causal in itertools.product(seqs, (True, False)):
+        q, k, v, do = _qkv(5, 1, S, S, H, H, D, jnp.bfloat16)
+        fl = 3.5 * attn_flops(1, H, S, D, causal)
+        try:
+            fb1 = jax.jit(lambda q, k, v, do, c=causal: jax.vjp(
+                _direct(c, D ** -0.5), q, k, v)[1](do))
+            t1 = time_fn(fb1, q, k, v, do, repeats=repeats)["median_s"]
+        except Exception as e:  # e.g. out of memory on one GPU
+            print(f"ring S={S}: one-GPU cuDNN failed: {type(e).__name__}: {str(e)[:150]}")
+            t1 = None
+        for kernel, backward in (("pallas", "kv"), ("cudnn", "kv"), ("cudnn", "q"),
+                                 ("auto", "auto")):
+            layout = "zigzag" if causal else "contiguous"
+            f = lambda q, k, v, kernel=kernel, backward=backward: jsp.attention(  # noqa
+                q, k, v, mesh=mesh, causal=causal, layout=layout, permuted=True,
+                backward=backward, kernel=kernel)
+            try:
+                fb = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
+                tG = time_fn(fb, q, k, v, do, repeats=repeats)["median_s"]
+            except Exception as e:
+                print(f"ring S={S} {kernel}/{backward}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            row = dict(S=S, G=G, causal=causal, layout=layout, kernel=kernel,
+                       backward=backward, t_ring_s=tG, t_cudnn_1gpu_s=t1,
+                       speedup_vs_cudnn_1gpu=(t1 / tG) if t1 else None,
+                       tflops_per_gpu=fl / tG / G / 1e12)
+            rows.append(row)
+            print(f"ring S={S:7d} G={G} causal={causal!s:5s} {kernel:6s} bwd={backward:4s} "
+                  f"{tG * 1e3:8.1f} ms  1-GPU cuDNN {(t1 or 0) * 1e3:8.1f} ms  speedup "
+                  f"{row['speedup_vs_cudnn_1gpu'] or 0:.2f}x  "
+                  f"{row['tflops_per_gpu']:.0f} TFLOP/s/GPU", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phases", default="check,tile,ring")
+    p.add_argument("--dims", default="64,128,256")
+    p.add_argument("--dtypes", default="bfloat16,float16")
+    p.add_argument("--ring-seqs", default="131072")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("cudnn_tiles.py needs an NVIDIA GPU (cuDNN does not run on CPU; the CPU "
+              "tests cover the backend's logic with a stand-in)")
+        return 2
+    phases = args.phases.split(",")
+    info = env_info()
+    print(f"# {info}; phases {phases}", flush=True)
+    result = {"env": info}
+    path = os.path.join(out_dir(), f"cudnn_tiles_gpu{jax.device_count()}{args.tag}.json")
+    ok = True
+    if "check" in phases:
+        rows = check_tiles([int(x) for x in args.dims.split(",")], args.dtypes.split(","))
+        rows += check_split()
+        if jax.device_count() > 1:
+            rows += check_ring(jax.device_count())
+        result["check"] = rows
+        ok &= all(r["ok"] for r in rows)
+        save_json(result, path)
+        print(f"CHECK: {sum(r['ok'] for r in rows)}/{len(rows)} passed", flush=True)
+    if "tile" in phases:
+        result["tile"] = bench_tile()
+        save_json(result, path)
+    if "ring" in phases:
+        result["ring"] = bench_ring([int(x) for x in args.ring_seqs.split(",")])
+        save_json(result, path)
+    print("CHECKS:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

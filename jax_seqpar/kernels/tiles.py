@@ -1,0 +1,156 @@
+"""One call's local kernels, one per tile kind (``base.TILE_KINDS``).
+
+A strategy makes tiles of three kinds (``base.py``): dense tiles (no mask), aligned
+tiles (the diagonal of a ring: same consecutive positions on both sides) and general
+tiles (positions decide).  Backends differ in what they serve: cuDNN reads no positions,
+so it takes dense and aligned tiles only, while the Pallas and xla kernels take all
+three.  ``TileKernels`` resolves, once per call, the backend of each kind, and routes
+every tile to its backend: ``kernel="auto"`` gives each kind the fastest backend that
+accepts it (``base.AUTO_ORDER``), a backend name forces that backend on every tile and
+raises, when a tile of a kind it refuses comes up, an error naming the kind and the
+backend's reason.
+
+``TileKernels`` itself follows the kernel contract (``fwd``/``bwd`` with an extra
+``tile=`` keyword), so a strategy calls it as it would call one backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple, Union
+
+from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, TILE_KINDS,
+                                     AttentionKernel, KernelRequest, get_kernel)
+from jax_seqpar.masks import MaskSpec
+
+_NO_MASK = MaskSpec()
+
+
+def _request_for(request: KernelRequest, tile: str) -> KernelRequest:
+    mask = _NO_MASK if tile == TILE_DENSE else request.mask
+    return dataclasses.replace(request, tile=tile, mask=mask)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileKernels:
+    """The backend of each tile kind for one call (hashable by ``spec`` and ``request``).
+
+    ``spec`` is a backend name (``"auto"``, ``"cudnn"``, ...) or a kernel object; an
+    object serves every tile kind (it is not asked), as before tile kinds existed.
+    ``request`` describes the call (its ``tile`` field is ignored).
+    """
+
+    spec: Union[str, AttentionKernel]
+    request: KernelRequest
+
+    def __post_init__(self):
+        chosen: Dict[str, AttentionKernel] = {}
+        refused: Dict[str, str] = {}
+        for tile in TILE_KINDS:
+            if not isinstance(self.spec, str):
+                chosen[tile] = self.spec
+                continue
+            try:
+                chosen[tile] = get_kernel(self.spec, _request_for(self.request, tile))
+            except NotImplementedError as e:
+                refused[tile] = str(e)
+        if not chosen:  # nothing at all: say why for the simplest kind
+            raise NotImplementedError(refused[TILE_DENSE])
+        object.__setattr__(self, "_chosen", chosen)
+        object.__setattr__(self, "_refused", refused)
+
+    # -- identity (static argument of jit / custom_vjp) ---------------------------------
+    def _key(self):
+        return (self.spec, self.request)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, TileKernels) and self._key() == other._key()
+
+    # -- what was chosen ----------------------------------------------------------------
+    def kernel_for(self, tile: str) -> AttentionKernel:
+        """The backend of ``tile``, or ``NotImplementedError`` naming the kind and why."""
+        if tile not in TILE_KINDS:
+            raise ValueError(f"tile={tile!r} must be one of {TILE_KINDS}")
+        if tile in self._chosen:
+            return self._chosen[tile]
+        raise NotImplementedError(
+            f"kernel={self.spec!r} cannot serve a {tile!r} tile, which this call needs "
+            f"({_WHY[tile]}): {self._refused[tile]}. Use kernel='auto' to give each tile "
+            f"kind the fastest backend that serves it")
+
+    @property
+    def choices(self) -> Dict[str, Optional[str]]:
+        """``{tile kind: backend name or None (refused)}``."""
+        return {t: (getattr(self._chosen[t], "name", type(self._chosen[t]).__name__)
+                    if t in self._chosen else None) for t in TILE_KINDS}
+
+    @property
+    def name(self) -> str:
+        names = {n for n in self.choices.values() if n is not None}
+        if len(names) == 1:
+            return names.pop()
+        return ", ".join(f"{t}={n}" for t, n in self.choices.items() if n is not None)
+
+    @property
+    def kernels(self) -> Tuple[AttentionKernel, ...]:
+        seen = []
+        for k in self._chosen.values():
+            if all(k is not s for s in seen):
+                seen.append(k)
+        return tuple(seen)
+
+    @property
+    def supports_check_vma(self) -> bool:
+        return all(bool(getattr(k, "supports_check_vma", True)) for k in self.kernels)
+
+    @property
+    def needs_o(self) -> bool:
+        """Whether some chosen backend's backward needs the forward output ``o``."""
+        return any(bool(getattr(k, "needs_o", False)) for k in self.kernels)
+
+    def check(self, request: KernelRequest) -> None:
+        self.kernel_for(request.tile).check(request)
+
+    # -- the contract, routed by tile kind ----------------------------------------------
+    def _route(self, mask: MaskSpec, tile: str):
+        if mask.is_dense:
+            tile = TILE_DENSE
+        kern = self.kernel_for(tile)
+        extra = {"tile": tile} if getattr(kern, "tile_aware", False) else {}
+        return kern, extra
+
+    def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
+            kv_seg=None, *, tile: str = TILE_GENERAL, need_lse: bool = True):
+        """``(o, lse)``.  ``need_lse=False`` (the caller discards lse) lets a backend with
+        ``skips_lse`` run a cheaper forward; lse may then be None."""
+        kern, extra = self._route(mask, tile)
+        if not need_lse and getattr(kern, "skips_lse", False):
+            extra["with_lse"] = False
+        return kern.fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, **extra)
+
+    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
+            q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
+        kern, extra = self._route(mask, tile)
+        return kern.bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                        delta=delta, **extra)
+
+
+_WHY = {
+    TILE_DENSE: "a tile with no mask",
+    TILE_ALIGNED: "a diagonal tile: queries and keys at the same consecutive positions",
+    TILE_GENERAL: "a tile whose mask depends on the traced global positions, e.g. under a "
+                  "window, a block mask, the striped layout, or tree attention",
+}
+
+
+def tile_kernels(kernel, request: KernelRequest) -> TileKernels:
+    """``kernel`` (a name, a kernel object or a ``TileKernels``) for ``request``."""
+    if isinstance(kernel, TileKernels):
+        return kernel
+    return TileKernels(kernel, dataclasses.replace(request, tile=TILE_GENERAL))
+
+
+__all__ = ["TILE_ALIGNED", "TILE_DENSE", "TILE_GENERAL", "TileKernels", "tile_kernels"]

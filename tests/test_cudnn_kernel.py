@@ -1,0 +1,291 @@
+"""Issue 16: tile kinds in the kernel request, and the cuDNN backend (a stand-in on CPU).
+
+cuDNN does not run on CPU.  Its logic is tested here with a stand-in for the two
+``_compat`` functions the backend calls: dense float32 math that, like cuDNN, reads no
+positions and applies causal masks and windows *by index*.  A ring whose strategies
+labelled a tile "dense" or "aligned" wrongly would therefore give wrong results with it;
+matching the reference proves the labels.  The stand-in's backward uses the ``o`` and
+``lse`` it is given (as cuDNN's primitive does), so it also proves that the strategies
+pass the *global* output and lse.  The real cuDNN is checked on the GPU by
+``benchmarks/cudnn_tiles.py`` (RESULTS.md).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_seqpar as jsp
+from jax_seqpar import _compat
+from jax_seqpar.comm import collective_bytes
+from jax_seqpar.kernels import base
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest
+from jax_seqpar.kernels.cudnn import CudnnKernel, cudnn_mask
+from jax_seqpar.kernels.tiles import TileKernels
+from jax_seqpar.kernels.xla import XlaKernel
+from jax_seqpar.masks import MaskSpec
+from jax_seqpar.parallel import common
+from jax_seqpar.parallel.costs import RingShape, backward_bytes
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+CALLS = []  # (kind, Tq, Tk) of every stand-in call, to see which tiles reached cuDNN
+
+
+# ----------------------------------------------------------------- the stand-in "cuDNN"
+def _index_mask(Tq, Tk, causal, window_left):
+    i, j = np.arange(Tq)[:, None], np.arange(Tk)[None, :]
+    ok = np.ones((Tq, Tk), bool)
+    if causal:
+        ok &= j <= i
+    if window_left is not None:
+        ok &= j >= i - window_left
+    return jnp.asarray(ok)
+
+
+def _scores(q, k, scale, causal, window_left):
+    g = q.shape[2] // k.shape[2]
+    kf = jnp.repeat(k.astype(F32), g, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), kf) * scale
+    ok = _index_mask(q.shape[1], k.shape[1], causal, window_left)
+    return jnp.where(ok, s, -jnp.inf), ok
+
+
+def fake_fwd(q, k, v, *, scale, causal, window_left=None, with_lse=True):
+    CALLS.append(("fwd" if with_lse else "fwd_no_lse", causal, q.shape[1], k.shape[1]))
+    s, _ = _scores(q, k, scale, causal, window_left)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    g = q.shape[2] // k.shape[2]
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v.astype(F32), g, axis=2))
+    return o.astype(q.dtype), (lse if with_lse else None)
+
+
+def fake_bwd(q, k, v, o, lse, do, *, scale, causal, window_left=None):
+    """FlashAttention-2 backward from the given o and lse (as cuDNN's primitive)."""
+    CALLS.append(("bwd", causal, q.shape[1], k.shape[1]))
+    B, Tk, Hkv, D = k.shape
+    g = q.shape[2] // Hkv
+    s, ok = _scores(q, k, scale, causal, window_left)
+    p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
+    dof = do.astype(F32)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dof, o.astype(F32))
+    vf = jnp.repeat(v.astype(F32), g, axis=2)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", dof, vf)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, jnp.repeat(k.astype(F32), g, axis=2))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)).reshape(B, Tk, Hkv, g, D).sum(3)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dof).reshape(B, Tk, Hkv, g, D).sum(3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Requests say platform 'gpu' and the cuDNN calls go to the stand-in."""
+    monkeypatch.setattr(_compat, "cudnn_attention_fwd", fake_fwd)
+    monkeypatch.setattr(_compat, "cudnn_attention_bwd", fake_bwd)
+    monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
+    monkeypatch.setattr(common, "default_platform", lambda: "gpu")
+    CALLS.clear()
+    yield CALLS
+
+
+def _request(**kw):
+    base_kw = dict(platform="gpu", dtype="bfloat16", head_dim=64, mask=MaskSpec(causal=True))
+    base_kw.update(kw)
+    return KernelRequest(**base_kw)
+
+
+# ------------------------------------------------------------------- mask translation
+@pytest.mark.parametrize("mask,tile,want", [
+    (MaskSpec(), TILE_DENSE, (False, None)),
+    (MaskSpec(), TILE_GENERAL, (False, None)),          # no mask: positions do not matter
+    (MaskSpec(causal=True), TILE_ALIGNED, (True, None)),
+    (MaskSpec(window=(3, 0)), TILE_ALIGNED, (True, 3)),
+    (MaskSpec(causal=True, window=(5, 2)), TILE_ALIGNED, (True, 5)),
+])
+def test_cudnn_mask_types(mask, tile, want):
+    assert cudnn_mask(mask, tile) == want
+
+
+@pytest.mark.parametrize("mask,tile,match", [
+    (MaskSpec(causal=True), TILE_GENERAL, "general tile"),
+    (MaskSpec(window=(3, 2)), TILE_ALIGNED, "diagonal"),
+    (MaskSpec(causal=True), TILE_DENSE, "dense tile was given a mask"),
+])
+def test_cudnn_mask_refusals(mask, tile, match):
+    with pytest.raises(NotImplementedError, match=match):
+        cudnn_mask(mask, tile)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(platform="cpu"), "GPUs only"),
+    (dict(dtype="float32"), "float32"),
+    (dict(head_dim=60), "multiple of 8"),
+    (dict(has_segments=True), "segment ids"),
+    (dict(bwd_has_o=False), "output o"),
+    (dict(tile=TILE_GENERAL), "general tile"),
+])
+def test_cudnn_refuses_what_it_cannot_honour(kw, match, monkeypatch):
+    monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
+    with pytest.raises(NotImplementedError, match=match):
+        CudnnKernel().check(_request(**{"tile": TILE_ALIGNED, **kw}))
+
+
+def test_request_validates_tile():
+    with pytest.raises(ValueError, match="tile"):
+        _request(tile="diagonal")
+
+
+# ------------------------------------------------------------- auto per tile kind
+def _choices(monkeypatch, **kw):
+    monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
+    return TileKernels("auto", _request(**kw)).choices
+
+
+def test_auto_takes_cudnn_where_it_can_and_pallas_elsewhere(monkeypatch):
+    assert _choices(monkeypatch) == {TILE_DENSE: "cudnn", TILE_ALIGNED: "cudnn",
+                                     TILE_GENERAL: "pallas"}
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(has_segments=True), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
+                               TILE_GENERAL: "pallas"}),
+    (dict(dtype="float32"), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
+                             TILE_GENERAL: "pallas"}),
+    (dict(bwd_has_o=False), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
+                             TILE_GENERAL: "pallas"}),
+    (dict(mask=MaskSpec(window=(4, 4))), {TILE_DENSE: "cudnn", TILE_ALIGNED: "pallas",
+                                          TILE_GENERAL: "pallas"}),
+    (dict(platform="cpu"), {TILE_DENSE: "xla", TILE_ALIGNED: "xla", TILE_GENERAL: "xla"}),
+])
+def test_auto_falls_back_per_tile(monkeypatch, kw, want):
+    assert _choices(monkeypatch, **kw) == want
+
+
+def test_auto_order_is_measured_and_consistent():
+    """Every backend AUTO_ORDER names exists, and the table says where its numbers came from."""
+    for (platform, tile), names in base.AUTO_ORDER.items():
+        assert tile in base.TILE_KINDS and platform in ("cpu", "gpu", "tpu")
+        assert set(names) <= set(base.available_kernels()), names
+    assert "TFLOP/s" in base.__doc__ or "TFLOP/s" in open(base.__file__).read()
+
+
+def test_forced_cudnn_names_the_refused_tile(fake_gpu):
+    """Striped causal tiles are general (positions decide): kernel='cudnn' says so."""
+    q, k, v = helpers.make_qkv(1, B=1, S=32, Hq=2, Hkv=2, D=16, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="cannot serve a 'general' tile"):
+        jsp.attention(q, k, v, mesh=helpers.make_mesh(2), causal=True, layout="striped",
+                      kernel="cudnn")
+
+
+def test_cudnn_on_cpu_is_refused_clearly():
+    q, k, v = helpers.make_qkv(1, B=1, S=32, Hq=2, Hkv=2, D=16, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="GPUs only"):
+        jsp.attention(q, k, v, mesh=helpers.make_mesh(2), kernel="cudnn")
+
+
+# ------------------------------------------------------------------ rings on "cuDNN"
+@functools.lru_cache(maxsize=None)
+def _ring_grad(G, causal, layout, backward, window):
+    mesh = helpers.make_mesh(G)
+
+    def f(q, k, v, do):
+        att = lambda q, k, v: jsp.attention(  # noqa: E731
+            q, k, v, mesh=mesh, causal=causal, layout=layout, backward=backward,
+            window=window, kernel="cudnn")
+        out, vjp = jax.vjp(att, q, k, v)
+        return out, vjp(do)
+
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("G,Hq,Hkv,causal,layout,backward,dtype", [
+    (1, 4, 2, True, "contiguous", "kv", BF16),
+    (2, 4, 4, True, "zigzag", "q", F16),
+    (4, 4, 2, True, "zigzag", "kv", BF16),
+    (4, 4, 4, True, "zigzag", "q", BF16),
+    (4, 2, 2, True, "contiguous", "q", BF16),
+    (4, 4, 1, False, "contiguous", "kv", BF16),
+    (8, 2, 2, False, "zigzag", "q", BF16),
+])
+def test_ring_on_cudnn_matches_reference(fake_gpu, G, Hq, Hkv, causal, layout, backward,
+                                         dtype):
+    B, S, D = 2, 64, 16
+    q, k, v = helpers.make_qkv(G + Hq, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+    do = helpers.make_cotangent(G, q.shape, dtype)
+    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=causal)
+    out, grads = _ring_grad(G, causal, layout, backward, None)(q, k, v, do)
+    tol = 2e-2
+    helpers.assert_close(out, ref_out, tol, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype
+        helpers.assert_close(g, r, tol, name)
+    kinds = {(kind, c) for kind, c, _, _ in fake_gpu}
+    assert ("fwd", False) in kinds or G == 1      # dense tiles reached cuDNN
+    if causal:                                    # and so did the aligned diagonal ones
+        assert ("fwd", True) in kinds and ("bwd", True) in kinds
+
+
+def test_ring_window_on_contiguous_diagonal(fake_gpu):
+    """One device, a causal window: the whole block is an aligned tile with a band."""
+    q, k, v = helpers.make_qkv(5, B=1, S=48, Hq=2, Hkv=2, D=16, dtype=BF16)
+    do = helpers.make_cotangent(5, q.shape, BF16)
+    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=True, window=(7, 0))
+    out, grads = _ring_grad(1, True, "contiguous", "kv", (7, 0))(q, k, v, do)
+    helpers.assert_close(out, ref_out, 2e-2, "out")
+    for g, r in zip(grads, ref_grads):
+        helpers.assert_close(g, r, 2e-2, "grad")
+
+
+# ----------------------------------------------- Burst with a backend that needs o
+class _NeedsO(XlaKernel):
+    """The xla kernel, but its backward insists on ``o`` (as cuDNN's does)."""
+
+    needs_o = True
+
+    def bwd(self, q, k, v, o, lse, do, *args, delta=None, **kw):
+        assert o is not None, "a needs_o backend was called without o"
+        return super().bwd(q, k, v, o, lse, do, *args, delta=None, **kw)
+
+
+def test_burst_carries_o_for_backends_that_need_it():
+    """backward='q' with a needs_o backend: O travels in place of D, gradients still
+    match, and the bytes equal ``backward_bytes`` with ``o_travels`` (float32 on CPU)."""
+    G, B, S, Hq, D = 4, 1, 64, 4, 16
+    q, k, v = helpers.make_qkv(9, B=B, S=S, Hq=Hq, Hkv=Hq, D=D)
+    do = helpers.make_cotangent(9, q.shape)
+    mesh = helpers.make_mesh(G)
+    f = lambda q, k, v: jsp.attention(q, k, v, mesh=mesh, causal=True,  # noqa: E731
+                                      backward="q", kernel=_NeedsO())
+    _, vjp = jax.vjp(f, q, k, v)
+    _, _, ref = helpers.reference_fwd_bwd(q, k, v, do, causal=True)
+    for g, r in zip(vjp(do), ref):
+        helpers.assert_close(g, r, 1e-5, "grad")
+    rep = collective_bytes(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
+    shape = RingShape(G, B, S // G, Hq, Hq, D, 4, o_travels=True)
+    assert rep.total_bytes == backward_bytes("q", shape)
+    assert backward_bytes("q", shape) > backward_bytes(
+        "q", RingShape(G, B, S // G, Hq, Hq, D, 4))
+
+
+def test_local_forward_without_gradient_skips_lse(fake_gpu):
+    """A forward nobody differentiates runs cuDNN's inference kernel (no statistics);
+    under a gradient the forward keeps lse for the backward."""
+    from jax_seqpar.parallel.local import local_attention
+
+    q, k, v = helpers.make_qkv(4, B=1, S=32, Hq=2, Hkv=2, D=16, dtype=BF16)
+    cfg = common.make_config(q, k, axis_name="sp", causal=True, window=None,
+                             segment_ids=None, scale=None, layout="contiguous",
+                             backward="kv", kernel="cudnn")
+    pos = jnp.arange(32, dtype=jnp.int32)
+    f = lambda q, k, v: local_attention(cfg, q, k, v, pos, pos, tile=TILE_ALIGNED)  # noqa
+    out = jax.jit(f)(q, k, v)
+    assert [c[0] for c in fake_gpu] == ["fwd_no_lse"]
+    ref, _ = jsp.reference_attention(q.astype(F32), k.astype(F32), v.astype(F32), causal=True)
+    helpers.assert_close(out, ref, 2e-2, "out")
+    fake_gpu.clear()
+    jax.grad(lambda q: f(q, k, v).astype(F32).sum())(q)
+    assert [c[0] for c in fake_gpu] == ["fwd", "bwd"]
