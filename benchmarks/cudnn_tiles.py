@@ -295,6 +295,8 @@ def main(argv=None):
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--dtypes", default="bfloat16,float16")
     p.add_argument("--ring-seqs", default="131072")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="tile: interleaved timing rounds per variant (best of, spread kept)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -317,7 +319,7 @@ def main(argv=None):
         save_json(result, path)
         print(f"CHECK: {sum(r['ok'] for r in rows)}/{len(rows)} passed", flush=True)
     if "tile" in phases:
-        result["tile"] = bench_tile()
+        result["tile"] = bench_tile(rounds=args.rounds)
         save_json(result, path)
     if "ring" in phases:
         result["ring"] = bench_ring([int(x) for x in args.ring_seqs.split(",")])
