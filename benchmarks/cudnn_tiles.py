@@ -20,6 +20,8 @@ Phases (``--phases``, comma-separated; default ``check,tile,ring`` on GPUs):
 
     python benchmarks/cudnn_tiles.py                    # on GPUs: all phases
     python benchmarks/cudnn_tiles.py --phases check     # CPU: refuses (cuDNN is GPU-only)
+    python benchmarks/cudnn_tiles.py --plot benchmarks/results/cudnn_tiles_gpu2_x2.json \
+        benchmarks/results/cudnn_tiles_gpu4_x4.json      # table + PNG from saved runs
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
 from jax_seqpar.reference import reference_attention  # noqa: E402
-from _util import env_info, out_dir, save_json, time_fn  # noqa: E402
+from _util import env_info, out_dir, pyplot, save_json, time_fn  # noqa: E402
 
 BUDGET = 2e-2  # bf16 / f16 (DESIGN.md)
 
@@ -258,10 +260,12 @@ def bench_ring(seqs, H=16, D=128, repeats=5):
     for S, causal in itertools.product(seqs, (True, False)):
         q, k, v, do = _qkv(5, 1, S, S, H, H, D, jnp.bfloat16)
         fl = 3.5 * attn_flops(1, H, S, D, causal)
+        # long sequences: seconds per call, so fewer repeats (the spread is small there)
+        reps = dict(warmup=2, repeats=repeats) if S <= 131072 else dict(warmup=1, repeats=2)
         try:
             fb1 = jax.jit(lambda q, k, v, do, c=causal: jax.vjp(
                 _direct(c, D ** -0.5), q, k, v)[1](do))
-            t1 = time_fn(fb1, q, k, v, do, repeats=repeats)["median_s"]
+            t1 = time_fn(fb1, q, k, v, do, **reps)["median_s"]
         except Exception as e:  # e.g. out of memory on one GPU
             print(f"ring S={S}: one-GPU cuDNN failed: {type(e).__name__}: {str(e)[:150]}")
             t1 = None
@@ -273,7 +277,7 @@ def bench_ring(seqs, H=16, D=128, repeats=5):
                 backward=backward, kernel=kernel)
             try:
                 fb = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
-                tG = time_fn(fb, q, k, v, do, repeats=repeats)["median_s"]
+                tG = time_fn(fb, q, k, v, do, **reps)["median_s"]
             except Exception as e:
                 print(f"ring S={S} {kernel}/{backward}: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -289,6 +293,54 @@ def bench_ring(seqs, H=16, D=128, repeats=5):
     return rows
 
 
+def ring_table(rows):
+    print(f"{'G':>2s} {'S':>7s} {'causal':6s} {'kernel':6s} {'bwd':4s} {'ring ms':>8s} "
+          f"{'1-GPU cuDNN ms':>14s} {'speedup':>7s} {'TFLOP/s/GPU':>11s}")
+    for r in rows:
+        print(f"{r['G']:2d} {r['S']:7d} {r['causal']!s:6s} {r['kernel']:6s} {r['backward']:4s} "
+              f"{r['t_ring_s'] * 1e3:8.1f} {(r['t_cudnn_1gpu_s'] or 0) * 1e3:14.1f} "
+              f"{r['speedup_vs_cudnn_1gpu'] or 0:7.2f} {r['tflops_per_gpu']:11.0f}")
+
+
+def ring_plot(rows, path):
+    """Speedup over one GPU running cuDNN on the whole sequence, per kernel and G."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = sorted({(r["causal"], r["S"]) for r in rows}, key=lambda c: (not c[0], c[1]))
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.4), sharey=True)
+    for ax, (causal, S) in zip(list(axes) if len(cases) > 1 else [axes], cases):
+        for kernel, backward, mark in (("pallas", "kv", "s--"), ("cudnn", "kv", "o-"),
+                                       ("cudnn", "q", "^-"), ("auto", "auto", "x:")):
+            rs = sorted((r for r in rows if r["causal"] == causal and r["S"] == S
+                         and r["kernel"] == kernel and r["backward"] == backward),
+                        key=lambda r: r["G"])
+            if rs:
+                ax.plot([r["G"] for r in rs], [r["speedup_vs_cudnn_1gpu"] for r in rs], mark,
+                        label=f"{kernel} ({backward})")
+        counts = sorted({r["G"] for r in rows})
+        ax.plot(counts, counts, color="gray", ls=":", label="ideal")
+        ax.set_xticks(counts, [str(G) for G in counts])
+        ax.set_xlabel("H200 GPUs")
+        ax.set_title(f"{S // 1024}k, {'causal zigzag' if causal else 'non-causal'}", fontsize=9)
+    (axes[0] if len(cases) > 1 else axes).set_ylabel("speedup vs 1 GPU on cuDNN")
+    (axes[0] if len(cases) > 1 else axes).legend(fontsize=7)
+    fig.suptitle("ring attention forward + backward (bf16, H=16, D=128)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+def replot(paths):
+    import json
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f).get("ring", [])
+    ring_table(rows)
+    ring_plot(rows, os.path.join(os.path.dirname(paths[0]), "cudnn_ring_speedup.png"))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phases", default="check,tile,ring")
@@ -298,7 +350,12 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2,
                    help="tile: interleaved timing rounds per variant (best of, spread kept)")
     p.add_argument("--tag", default="")
+    p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                   help="only print the ring table and draw the PNG from saved result files")
     args = p.parse_args(argv)
+    if args.plot:
+        replot(args.plot)
+        return 0
     if jax.default_backend() != "gpu":
         print("cudnn_tiles.py needs an NVIDIA GPU (cuDNN does not run on CPU; the CPU "
               "tests cover the backend's logic with a stand-in)")

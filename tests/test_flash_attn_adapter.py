@@ -49,9 +49,24 @@ def _stand_in_fwd(q, k, v, *, softmax_scale, is_causal, window_size_left, window
     return out.astype(q.dtype), lse
 
 
-def _stand_in_bwd(dout, q, k, v, out, lse, **kw):
-    _, vjp = jax.vjp(lambda q, k, v: _stand_in_fwd(q, k, v, **kw)[0], q, k, v)
-    return vjp(dout)
+def _stand_in_bwd(dout, q, k, v, out, lse, *, softmax_scale, is_causal, window_size_left,
+                  window_size_right):
+    """FlashAttention-2's backward from the *given* out and lse (as the real kernel)."""
+    assert not is_causal
+    f32 = jnp.float32
+    B, Tk, Hkv, Dh = k.shape
+    g = q.shape[2] // Hkv
+    kk, vv = (jnp.repeat(x.astype(f32), g, axis=2) for x in (k, v))
+    ok = _band(q.shape[1], Tk, (window_size_left, window_size_right))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(f32), kk) * softmax_scale
+    p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
+    do = dout.astype(f32)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, out.astype(f32))
+    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do, vv) - delta[..., None]) * softmax_scale
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, kk)
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(f32)).reshape(B, Tk, Hkv, g, Dh).sum(3)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, do).reshape(B, Tk, Hkv, g, Dh).sum(3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @pytest.fixture
@@ -144,3 +159,24 @@ def test_missing_package_is_explained(monkeypatch):
     with pytest.raises(NotImplementedError, match="needs the flash-attn-jax package"):
         get_kernel("flash_attn", req)
     assert get_kernel("auto", req).name != "flash_attn"
+
+
+def test_causal_ring_runs_on_flash_attn_through_tile_kinds(stand_in):
+    """Inside a ring the positions are traced, yet a causal zigzag ring now runs entirely
+    on flash_attn: its off-diagonal tiles are dense and its diagonal tiles aligned."""
+    import jax_seqpar as jsp
+    from helpers import make_mesh
+
+    q, k, v = make_qkv(6, B=1, S=64, Hq=4, Hkv=2, D=D, dtype=BF16)
+    do = make_cotangent(6, q.shape, BF16)
+    ref_out, _, ref_grads = reference_fwd_bwd(q, k, v, do, causal=True)
+    f = lambda q, k, v: jsp.attention(q, k, v, mesh=make_mesh(4), causal=True,  # noqa: E731
+                                      layout="zigzag", kernel="flash_attn")
+    out, vjp = jax.vjp(f, q, k, v)
+    assert_close(out, ref_out, 2e-2, "out")
+    for g, r in zip(vjp(do), ref_grads):
+        assert_close(g, r, 2e-2, "grad")
+    # a striped layout makes general tiles, which flash_attn refuses by name
+    with pytest.raises(NotImplementedError, match="static q_pos"):
+        jsp.attention(q, k, v, mesh=make_mesh(4), causal=True, layout="striped",
+                      kernel="flash_attn")
