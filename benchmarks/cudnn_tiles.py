@@ -47,7 +47,7 @@ from jax_seqpar.parallel.local import local_attention  # noqa: E402
 from jax_seqpar.reference import reference_attention  # noqa: E402
 from _util import env_info, out_dir, pyplot, save_json, time_fn  # noqa: E402
 
-BUDGET = 2e-2  # bf16 / f16 (DESIGN.md)
+BUDGET = 2e-2  # bf16 / f16 (docs/ARCHITECTURE.md, numerics)
 
 
 def _rel(a, b):

@@ -1,7 +1,7 @@
 """The local-kernel contract and the backend registry.
 
 Every backend computes attention of a query tile against a key/value tile whose rows
-carry *global* token positions (see DESIGN.md, "The local-kernel contract")::
+carry *global* token positions (docs/ARCHITECTURE.md, "The local-kernel contract")::
 
     fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg=None, kv_seg=None) -> (o, lse)
     bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale,
