@@ -10,8 +10,8 @@ carry *global* token positions (docs/ARCHITECTURE.md, "The local-kernel contract
 Shapes: q ``[B, Tq, Hq, D]``, k/v ``[B, Tk, Hkv, D]`` with ``Hq % Hkv == 0``; positions
 int32 ``[Tq]`` / ``[Tk]`` (the xla backend also takes per-row query positions ``[B, Tq]``,
 which decoding with ragged lengths needs); segment ids int32 ``[B, Tq]`` / ``[B, Tk]``; lse float32
-``[B, Hq, Tq]`` (natural log).  ``o`` and the gradients are returned in float32; the
-caller casts.  In ``bwd``, ``o`` and ``lse`` may be the *global* output and lse of a
+``[B, Hq, Tq]`` (natural log).  ``o`` is returned in float32 or in the input dtype
+(cuDNN), the gradients in float32; the caller casts.  In ``bwd``, ``o`` and ``lse`` may be the *global* output and lse of a
 larger attention of which this tile is a part (that is how ring attention uses it), and
 ``delta = rowsum(do * o)`` ``[B, Hq, Tq]`` may be passed precomputed (BurstAttention
 Alg. 2, line 2) so that it is not recomputed at every ring step.

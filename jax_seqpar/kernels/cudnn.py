@@ -136,8 +136,9 @@ class CudnnKernel:
         causal, window_left = self._prepare(q, k, q_pos, kv_pos, mask, q_seg, tile)
         o, lse = _compat.cudnn_attention_fwd(q, k, v, scale=float(scale), causal=causal,
                                              window_left=window_left, with_lse=with_lse)
-        # (XLA drops the cast when the caller casts o back to the input dtype)
-        return o.astype(F32), (lse.astype(F32) if with_lse else None)
+        # o stays in the input dtype (the contract allows it): a caller that merges casts
+        # it to float32, one that returns it does not pay for a round trip
+        return o, (lse.astype(F32) if with_lse else None)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):

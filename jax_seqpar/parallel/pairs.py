@@ -89,8 +89,9 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
                          q, k, v)
 
     def call(qs, ks, vs, qp, kp, qsg, ksg, mask, aligned=False):
-        return cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg,
-                              tile=_tile(mask, aligned))
+        o, lse = cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg,
+                                tile=_tile(mask, aligned))
+        return o.astype(F32), lse  # backends may return o in the input dtype
 
     if not _structured(cfg) or (same and k.shape[1] % 2):
         aligned = _general_aligned(cfg, same) and half is None

@@ -64,7 +64,7 @@ def tree_attention(cfg, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
 
 def _forward(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     o, lse = cfg.kernel.fwd(q, k, v, q_pos, kv_pos, cfg.mask, cfg.scale, q_seg, kv_seg)
-    return tree_reduce(o, lse, cfg.axis_name)
+    return tree_reduce(o.astype(jnp.float32), lse, cfg.axis_name)
 
 
 def _fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
@@ -140,6 +140,7 @@ def _tree_seq_fwd(cfg, q, k, v, seg):
     q_all = _gather(q, ax, 1)
     seg_all = None if seg is None else _gather(seg, ax, 1)
     o, lse = cfg.kernel.fwd(q_all, k, v, q_pos, kv_pos, cfg.mask, cfg.scale, seg_all, seg)
+    o = o.astype(jnp.float32)
     m = lax.pmax(lse, ax)                                  # [B, H, S], Alg. 3 line 3
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
     d = jnp.exp(lse - m_safe)
