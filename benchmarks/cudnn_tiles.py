@@ -13,6 +13,9 @@ Phases (``--phases``, comma-separated; default ``check,tile,ring`` on GPUs):
   cudnn tile through the contract (``parallel.local.local_attention``) against a direct
   ``jax.nn.dot_product_attention(implementation="cudnn")`` call, and the Pallas tile,
   causal and not, in one run.
+* ``pair``: forward only, the contract's cudnn tile and the direct call timed
+  alternately (ABAB...) with the median ratio, and whether both compiled programs hold
+  the same cuDNN custom call (sequential timing rounds drift by more than 5%).
 * ``ring``: forward+backward of ``jsp.attention`` on all GPUs (zigzag causal and
   non-causal, ``--ring-seqs``), ``kernel`` in {pallas, cudnn, auto}, ``backward`` in
   {kv, q} for cudnn, against one GPU running cuDNN (``jax.nn``) on the whole sequence:
@@ -209,15 +212,11 @@ def _contract(kernel, causal, scale, S):
     return lambda q, k, v: local_attention(cfg, q, k, v, pos, pos, tile=tile)
 
 
-def _time_pair(f, q, k, v, do, repeats):
-    fwd = jax.jit(f)
-    fb = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
-    return (time_fn(fwd, q, k, v, repeats=repeats)["median_s"],
-            time_fn(fb, q, k, v, do, repeats=repeats)["median_s"])
-
-
-def bench_tile(S=16384, H=16, D=128, repeats=10, rounds=2):
-    """Contract vs direct cuDNN and Pallas, interleaved ``rounds`` times (spread shown)."""
+def bench_tile(S=16384, H=16, D=128, repeats=5, rounds=2):
+    """Contract vs direct cuDNN and Pallas.  The variants are compiled once and timed in
+    turn, ``rounds`` times; each round gives each variant's ratio to the direct call
+    timed in the same round, and the rows report the median ratio over rounds (GPU
+    clocks drift between rounds by more than the differences measured here)."""
     rows = []
     q, k, v, do = _qkv(3, 1, S, S, H, H, D, jnp.bfloat16)
     scale = D ** -0.5
@@ -227,29 +226,88 @@ def bench_tile(S=16384, H=16, D=128, repeats=10, rounds=2):
                "cudnn_direct_lse": _direct_lse(causal, scale),
                "cudnn_contract": _contract("cudnn", causal, scale, S),
                "pallas_contract": _contract("pallas", causal, scale, S)}
-        times = {n: [] for n in fns}
+        compiled = {}
+        for n, f in fns.items():
+            try:
+                fwd = jax.jit(f)
+                fb = jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do))
+                jax.block_until_ready(fwd(q, k, v))
+                jax.block_until_ready(fb(q, k, v, do))
+                compiled[n] = (fwd, fb)
+            except Exception as e:
+                print(f"tile {n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+        times = {n: [] for n in compiled}
         for _ in range(rounds):
-            for n, f in fns.items():
-                try:
-                    times[n].append(_time_pair(f, q, k, v, do, repeats))
-                except Exception as e:
-                    print(f"tile {n} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+            for n, (fwd, fb) in compiled.items():
+                times[n].append((time_fn(fwd, q, k, v, warmup=1, repeats=repeats)["median_s"],
+                                 time_fn(fb, q, k, v, do, warmup=1,
+                                         repeats=repeats)["median_s"]))
+        base = times.get("cudnn_direct")
         for n, ts in times.items():
-            if not ts:
-                continue
-            tf, tb = min(t[0] for t in ts), min(t[1] for t in ts)
-            rows.append(dict(S=S, H=H, D=D, causal=causal, kernel=n, fwd_s=tf, fwdbwd_s=tb,
-                             fwd_s_all=[t[0] for t in ts], fwdbwd_s_all=[t[1] for t in ts],
-                             fwd_tflops=fl / tf / 1e12, fwdbwd_tflops=3.5 * fl / tb / 1e12))
-        direct = next((r for r in rows[-len(times):] if r["kernel"] == "cudnn_direct"), None)
-        for r in rows[-len(times):]:
-            if direct:
-                r["fwd_vs_direct"] = direct["fwd_s"] / r["fwd_s"]
-                r["fwdbwd_vs_direct"] = direct["fwdbwd_s"] / r["fwdbwd_s"]
-            print(f"tile S={S} causal={causal!s:5s} {r['kernel']:16s} fwd "
-                  f"{r['fwd_tflops']:6.1f} TFLOP/s ({r.get('fwd_vs_direct', 0):.3f}x direct)  "
-                  f"fwd+bwd {r['fwdbwd_tflops']:6.1f} ({r.get('fwdbwd_vs_direct', 0):.3f}x)",
-                  flush=True)
+            tf = float(np.median([t[0] for t in ts]))
+            tb = float(np.median([t[1] for t in ts]))
+            row = dict(S=S, H=H, D=D, causal=causal, kernel=n, rounds=rounds, fwd_s=tf,
+                       fwdbwd_s=tb, fwd_s_all=[t[0] for t in ts],
+                       fwdbwd_s_all=[t[1] for t in ts], fwd_tflops=fl / tf / 1e12,
+                       fwdbwd_tflops=3.5 * fl / tb / 1e12)
+            if base:
+                rf = [b[0] / t[0] for b, t in zip(base, ts)]
+                rb = [b[1] / t[1] for b, t in zip(base, ts)]
+                row.update(fwd_vs_direct=float(np.median(rf)), fwd_vs_direct_range=(
+                    min(rf), max(rf)), fwdbwd_vs_direct=float(np.median(rb)),
+                    fwdbwd_vs_direct_range=(min(rb), max(rb)))
+            rows.append(row)
+            print(f"tile S={S} causal={causal!s:5s} {n:16s} fwd {row['fwd_tflops']:6.1f} "
+                  f"TFLOP/s ({row.get('fwd_vs_direct', 0):.3f}x direct, rounds "
+                  f"{row.get('fwd_vs_direct_range', (0, 0))[0]:.3f}-"
+                  f"{row.get('fwd_vs_direct_range', (0, 0))[1]:.3f})  fwd+bwd "
+                  f"{row['fwdbwd_tflops']:6.1f} ({row.get('fwdbwd_vs_direct', 0):.3f}x, "
+                  f"{row.get('fwdbwd_vs_direct_range', (0, 0))[0]:.3f}-"
+                  f"{row.get('fwdbwd_vs_direct_range', (0, 0))[1]:.3f})", flush=True)
+    return rows
+
+
+def bench_pair(S=16384, H=16, D=128, pairs=40):
+    """Forward: the cudnn tile through the contract against the direct ``jax.nn`` call,
+    timed alternately (ABAB..., then BABA...) so that clock drift hits both alike; also
+    whether the two compiled programs hold the same cuDNN custom call."""
+    import re
+    import time
+
+    rows = []
+    q, k, v, _ = _qkv(3, 1, S, S, H, H, D, jnp.bfloat16)
+    for causal in (False, True):
+        fns = {"direct": jax.jit(_direct(causal, D ** -0.5)),
+               "contract": jax.jit(_contract("cudnn", causal, D ** -0.5, S))}
+        calls = {}
+        for n, f in fns.items():
+            txt = f.lower(q, k, v).compile().as_text()
+            calls[n] = sorted(re.sub(r"%[\w.\-]+", "%", re.sub(
+                r"metadata=\{.*?\}", "", line.split("=", 1)[1])).strip()
+                for line in txt.splitlines() if "custom-call(" in line)
+            jax.block_until_ready(f(q, k, v))
+        ts = {n: [] for n in fns}
+        for i in range(pairs):
+            order = ("direct", "contract") if i % 2 == 0 else ("contract", "direct")
+            for n in order:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[n](q, k, v))
+                ts[n].append(time.perf_counter() - t0)
+        ratio = np.array(ts["direct"]) / np.array(ts["contract"])
+        row = dict(S=S, H=H, D=D, causal=causal, pairs=pairs,
+                   direct_ms=1e3 * float(np.median(ts["direct"])),
+                   contract_ms=1e3 * float(np.median(ts["contract"])),
+                   fwd_vs_direct=float(np.median(ratio)),
+                   fwd_vs_direct_quartiles=(float(np.percentile(ratio, 25)),
+                                            float(np.percentile(ratio, 75))),
+                   same_custom_calls=calls["direct"] == calls["contract"],
+                   custom_calls=len(calls["contract"]))
+        rows.append(row)
+        print(f"pair S={S} causal={causal!s:5s} direct {row['direct_ms']:.3f} ms, contract "
+              f"{row['contract_ms']:.3f} ms: contract at {row['fwd_vs_direct']:.3f}x direct "
+              f"(quartiles {row['fwd_vs_direct_quartiles'][0]:.3f}-"
+              f"{row['fwd_vs_direct_quartiles'][1]:.3f}); same cuDNN call: "
+              f"{row['same_custom_calls']}", flush=True)
     return rows
 
 
@@ -347,8 +405,8 @@ def main(argv=None):
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--dtypes", default="bfloat16,float16")
     p.add_argument("--ring-seqs", default="131072")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="tile: interleaved timing rounds per variant (best of, spread kept)")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="tile: timing rounds (each variant once per round; median ratio)")
     p.add_argument("--tag", default="")
     p.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                    help="only print the ring table and draw the PNG from saved result files")
@@ -377,6 +435,9 @@ def main(argv=None):
         print(f"CHECK: {sum(r['ok'] for r in rows)}/{len(rows)} passed", flush=True)
     if "tile" in phases:
         result["tile"] = bench_tile(rounds=args.rounds)
+        save_json(result, path)
+    if "pair" in phases:
+        result["pair"] = bench_pair()
         save_json(result, path)
     if "ring" in phases:
         result["ring"] = bench_ring([int(x) for x in args.ring_seqs.split(",")])
