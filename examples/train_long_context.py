@@ -49,7 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--block", type=int, default=256, help="xla kernel tile size")
+    p.add_argument("--kernel", default="auto",
+                   help="local attention kernel: auto (the library's choice per tile: cuDNN "
+                        "and Pallas on GPUs, xla on CPU), or a backend name (xla, pallas, "
+                        "cudnn, ...)")
+    p.add_argument("--block", type=int, default=None,
+                   help="tile size of the xla kernel (default 256); only with the xla "
+                        "kernel, which --kernel auto means on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="examples/out")
@@ -74,8 +80,30 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar.kernels import XlaKernel  # noqa: E402
+from jax_seqpar.kernels import KernelRequest, XlaKernel  # noqa: E402
+from jax_seqpar.kernels.tiles import TileKernels  # noqa: E402
+from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
+
+
+def choose_kernel(a, cfg):
+    """``(kernel, description)``: the library's ``kernel="auto"`` on GPUs; on CPU, where
+    auto means the xla kernel, that kernel with ``--block`` tiles (default 256)."""
+    if a.block is not None and a.kernel not in ("auto", "xla"):
+        raise SystemExit(f"--block={a.block} sets the xla kernel's tiles, but --kernel="
+                         f"{a.kernel}; drop --block or pass --kernel xla")
+    platform = jax.default_backend()
+    request = KernelRequest(platform=platform, dtype=cfg.dtype, head_dim=cfg.head_dim,
+                            mask=MaskSpec(causal=True))
+    resolved = TileKernels(a.kernel, request)
+    if resolved.name == "xla":
+        block = a.block or 256
+        return XlaKernel(block_q=block, block_k=block), f"xla ({block} x {block} tiles)"
+    if a.block is not None:
+        raise SystemExit(f"--block={a.block} sets the xla kernel's tiles, but --kernel="
+                         f"{a.kernel} runs {resolved.name} here; drop --block or pass "
+                         f"--kernel xla")
+    return a.kernel, resolved.name
 
 
 class RecallTask:
@@ -121,8 +149,8 @@ def main():
     task = RecallTask(a.seq_len, a.pairs, a.keys, a.values)
     cfg = LlamaConfig(vocab_size=task.vocab, d_model=a.d_model, num_layers=a.layers,
                       num_heads=a.heads, num_kv_heads=a.kv_heads, remat=a.remat)
-    model = Llama(cfg, mesh=mesh, layout=a.layout, backward=a.backward,
-                  kernel=XlaKernel(block_q=a.block, block_k=a.block))
+    kernel, kernel_desc = choose_kernel(a, cfg)
+    model = Llama(cfg, mesh=mesh, layout=a.layout, backward=a.backward, kernel=kernel)
     # Every process draws the same batches from the same seed; from_host places each
     # process's part of them on its devices (replicated: the model permutes and shards
     # the tokens itself).
@@ -151,6 +179,7 @@ def main():
     say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"JAX {jax.__version__}; layout={a.layout}, backward={a.backward}, remat={a.remat}")
     say(f"processes: {INFO.process_count} ({INFO.source})")
+    say(f"attention kernel: {kernel_desc}")
     say(f"model: {n_params:,} parameters, {cfg.num_layers} layers, d_model {cfg.d_model}; "
           f"task: {a.batch} x {a.seq_len} tokens, {a.pairs} pairs, chance accuracy "
           f"{1 / a.values:.3f}")
@@ -188,6 +217,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "train_log.json"), "w") as f:
         json.dump({"args": vars(a), "devices": G, "processes": INFO.process_count,
+                   "kernel": kernel_desc,
                    "backend": jax.default_backend(),
                    "jax": jax.__version__, "log": log, "eval_loss": ev_loss,
                    "eval_accuracy": ev_acc, "wall_s": wall}, f, indent=1)

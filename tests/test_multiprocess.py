@@ -153,12 +153,14 @@ def test_training_example_two_processes_equals_one(tmp_path):
     assert code == 0, out + err
     assert "[p0] processes: 2 (jax_seqpar launch)" in out, out
     assert "[p1] held-out" not in out and "[p0] held-out" in out, out
+    assert "[p0] attention kernel: xla (256 x 256 tiles)" in out, out  # auto on CPU
     single = subprocess.run([sys.executable, *map(str, [*args, "--devices", 4, "--out",
                                                         tmp_path / "one"])], cwd=REPO, env=_env(),
                             capture_output=True, text=True, timeout=150)
     assert single.returncode == 0, single.stdout + single.stderr
     logs = [json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("mp", "one")]
     assert [lg["processes"] for lg in logs] == [2, 1] and [lg["devices"] for lg in logs] == [4, 4]
+    assert logs[1]["kernel"] == "xla (256 x 256 tiles)"
     for a, b in zip(logs[0]["log"], logs[1]["log"]):
         assert a["step"] == b["step"]
         np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
