@@ -39,6 +39,15 @@ def _num_shards(mesh, axis_name) -> int:
     return G
 
 
+def check_nonempty(name: str, shape) -> None:
+    """A zero-sized batch, sequence, head or head_dim axis has nothing to attend."""
+    for axis, n in zip(("batch", "seq", "heads", "head_dim"), shape):
+        if n == 0:
+            raise ValueError(f"{name}.shape={tuple(shape)} has {axis}=0: attention needs at "
+                             f"least one {'token' if axis == 'seq' else axis} per input; "
+                             f"skip the call for empty inputs")
+
+
 def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -57,6 +66,7 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "
                              f"got shape {getattr(x, 'shape', None)}")
+        check_nonempty(name, x.shape)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name}.dtype={x.dtype} must be a floating dtype")
     if k.shape != v.shape:

@@ -19,11 +19,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar import _compat
+from jax_seqpar.api import check_nonempty
 from jax_seqpar.kernels.base import KernelRequest, default_platform
 from jax_seqpar.kernels.pallas_decode import PallasDecodeKernel
 from jax_seqpar.masks import MaskSpec
@@ -48,6 +50,7 @@ def _validate(q, k, v, kv_lengths, mesh, axis_name):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "
                              f"got shape {getattr(x, 'shape', None)}")
+        check_nonempty(name, x.shape)
     if k.shape != v.shape:
         raise ValueError(f"k_cache.shape={k.shape} and v_cache.shape={v.shape} must be equal")
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
@@ -69,7 +72,21 @@ def _validate(q, k, v, kv_lengths, mesh, axis_name):
                              f"{getattr(kv_lengths, 'shape', None)}")
         if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
             raise TypeError(f"kv_lengths.dtype={kv_lengths.dtype} must be an integer dtype")
+        if not isinstance(kv_lengths, jax.core.Tracer):  # concrete: check the range
+            vals = np.asarray(kv_lengths)
+            bad = np.flatnonzero((vals < 0) | (vals > S))
+            if bad.size:
+                raise ValueError(
+                    f"kv_lengths={vals.tolist()} must lie in [0, {S}] (0 to the cache "
+                    f"length); entries {bad.tolist()} do not")
     return names, G
+
+
+def clamp_lengths(kv_lengths, S: int):
+    """``kv_lengths`` as int32 in ``[0, S]``: traced lengths (under ``jit``) cannot be
+    checked, so they are clamped: a length above the cache reads the whole cache, a
+    negative one reads nothing (its rows give 0)."""
+    return jnp.clip(kv_lengths.astype(jnp.int32), 0, S)
 
 
 def _rows(lengths, Tq, T, shard):
@@ -115,7 +132,7 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
     S = k_cache.shape[1]
     T = S // G
     lengths = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
-               else kv_lengths.astype(jnp.int32))
+               else clamp_lengths(kv_lengths, S))
     cfg = make_config(q, k_cache, axis_name=axis, causal=causal, window=None,
                       segment_ids=lengths, scale=scale, layout="contiguous",
                       backward="kv", kernel=decode_kernel_name(kernel, q))
@@ -178,6 +195,9 @@ def tree_decode(
 
     Differentiable (``custom_vjp``: dq is summed over the devices, dk/dv stay local).
     ``axis_name`` may be a tuple of mesh axes: the reductions then span all of them.
+    ``kv_lengths`` ``[B]``: the valid cache entries of each sequence, in ``[0, S]``;
+    concrete lengths outside that range raise ``ValueError``, traced ones (under
+    ``jit``) are clamped into it (``clamp_lengths``).
     """
     return _decode("tree", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
                    kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)

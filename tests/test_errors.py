@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 import jax_seqpar as jsp
 from helpers import make_mesh, make_qkv
 from jax_seqpar.kernels import XlaKernel
@@ -203,3 +204,33 @@ def test_kernel_not_a_name_nor_a_kernel(qkv, kernel):
 def test_xla_kernel_bad_block(field, value):
     with pytest.raises(ValueError, match=field):
         XlaKernel(**{field: value})
+
+
+# ------------------------------------------------------------- issue 15: empty / ragged
+def test_zero_length_sequences_are_refused_clearly():
+    mesh = helpers.make_mesh(2)
+    empty = jnp.ones((1, 0, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"q.shape=\(1, 0, 2, 16\) has seq=0"):
+        jsp.attention(empty, empty, empty, mesh=mesh)
+    q = helpers.make_qkv(1, B=1, S=2, Hq=2, Hkv=2, D=16)[0][:, :1]
+    with pytest.raises(ValueError, match="k_cache.shape=.* has seq=0"):
+        jsp.tree_decode(q, empty, empty, mesh=mesh)
+
+
+@pytest.mark.parametrize("lengths,bad", [([3, 9], [1]), ([-1, 4], [0])])
+def test_kv_lengths_outside_the_cache_are_refused(lengths, bad):
+    mesh = helpers.make_mesh(2)
+    q, k, v = helpers.make_qkv(2, B=2, S=8, Hq=2, Hkv=2, D=16)
+    with pytest.raises(ValueError, match=rf"kv_lengths=.* must lie in \[0, 8\].*{bad}"):
+        jsp.tree_decode(q[:, :1], k, v, mesh=mesh, kv_lengths=jnp.array(lengths))
+
+
+def test_traced_kv_lengths_are_clamped_to_the_cache():
+    """Under jit the lengths cannot be checked: they are clamped into [0, S]."""
+    mesh = helpers.make_mesh(2)
+    q, k, v = helpers.make_qkv(3, B=2, S=8, Hq=2, Hkv=2, D=16)
+    run = jax.jit(lambda L: jsp.tree_decode(q[:, :1], k, v, mesh=mesh, kv_lengths=L))
+    out = run(jnp.array([-3, 12]))
+    ref = jsp.tree_decode(q[:, :1], k, v, mesh=mesh, kv_lengths=jnp.array([0, 8]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert np.abs(np.asarray(out[1])).sum() > 0 and not np.asarray(out[0]).any()
