@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
-from jax_seqpar.kernels.pallas_gpu import (LOG2E, _compiler_params, _dot_precision, _pad_to,
+from jax_seqpar.kernels.pallas_common import (LOG2E, _compiler_params, _dot_precision, _pad_to,
                                            check_request, finish_rows, interpret_mode,
                                            online_softmax_tile, tile_lists)
 from jax_seqpar.kernels.xla_decode import XlaDecodeKernel

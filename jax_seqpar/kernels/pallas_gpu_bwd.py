@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar._compat import kernel_io
-from jax_seqpar.kernels.pallas_gpu import (F32, LOG2E, PallasConfig, _compiler_params,
+from jax_seqpar.kernels.pallas_common import (F32, LOG2E, PallasConfig, _compiler_params,
                                            _dot_precision, _pad_to, dot, mask_tile, needs_mask,
                                            tile_lists)
 from jax_seqpar.kernels.xla import attention_delta

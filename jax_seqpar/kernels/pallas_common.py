@@ -1,0 +1,226 @@
+"""What the Pallas (Triton) kernels share: configurations, the per-block tile lists, the
+masked tile step, the online-softmax step and epilogue, request checks.
+
+``pallas_gpu.py`` (training forward), ``pallas_gpu_bwd.py`` (its backward) and
+``pallas_decode.py`` (split-K decoding) all import from here and from nowhere else in the
+Pallas family, so no two of them import each other.  See ``pallas_gpu.py`` for how the
+tile lists drive the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_seqpar.kernels.base import KernelRequest, default_platform
+from jax_seqpar.masks import MaskSpec
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+    """Tile sizes and launch parameters (powers of two; ``block_*`` >= 16 for ``tl.dot``)."""
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"PallasConfig.{f.name}={val!r} must be a positive int")
+            if f.name.startswith(("block", "num_warps")) and val & (val - 1):
+                raise ValueError(f"PallasConfig.{f.name}={val} must be a power of two "
+                                 f"(Triton tiles)")
+            if f.name.startswith("block") and val < 16:
+                raise ValueError(f"PallasConfig.{f.name}={val} must be >= 16 (tl.dot)")
+
+
+#: Per-head-dim defaults (see benchmarks/kernels.py and RESULTS.md for the sweep).
+DEFAULT_CONFIGS = {
+    64: PallasConfig(block_q=64, block_k=64, num_warps=4, num_stages=3,
+                     block_q_bwd=64, block_k_bwd=64, num_warps_bwd=4),
+    128: PallasConfig(block_q=128, block_k=64, num_warps=4, num_stages=3,
+                      block_q_bwd=64, block_k_bwd=64, num_warps_bwd=4),
+    256: PallasConfig(block_q=64, block_k=32, num_warps=8, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8),
+}
+
+#: float32 inputs take twice the shared memory per tile: with the bf16 tiles, D = 128
+#: asked an H200 for 256 KiB (it has 227 KiB per block), so float32 gets smaller tiles
+#: at D = 128 and 256.  Not tuned for speed (float32 is for checks).
+FLOAT32_CONFIGS = {
+    64: DEFAULT_CONFIGS[64],
+    128: PallasConfig(block_q=64, block_k=32, num_warps=4, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=4),
+    256: PallasConfig(block_q=32, block_k=32, num_warps=4, num_stages=2,
+                      block_q_bwd=32, block_k_bwd=32, num_warps_bwd=8),
+}
+
+
+def forward_smem_bytes(config: PallasConfig, head_dim: int, dtype) -> int:
+    """Shared memory the forward's pipelined loads need (one Q block, ``num_stages``
+    buffers of K and V); a lower bound that must stay under the GPU's limit."""
+    item = jnp.dtype(dtype).itemsize
+    return item * head_dim * (config.block_q + 2 * config.num_stages * config.block_k)
+
+
+def default_config(head_dim: int, dtype) -> PallasConfig:
+    """The default tiles for this head dim and input dtype."""
+    table = FLOAT32_CONFIGS if jnp.dtype(dtype) == F32 else DEFAULT_CONFIGS
+    return table[head_dim]
+
+
+def _compiler_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot(a, b, trans_a=False, trans_b=False, precision=None):
+    """2-D ``a @ b`` (optionally transposed operands) with float32 accumulation, as one
+    ``dot_general`` (the Triton lowering maps it to ``tl.dot``)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def _dot_precision(dtype, interpret: bool):
+    """float32 inputs need near-float32 products for the 1e-5 budget (plain TF32 keeps
+    10 mantissa bits).  Compiled, they use three TF32 tensor-core products (hi*hi +
+    hi*lo + lo*hi, ~22 bits) rather than Triton's exact float32 dot, which runs as FMAs
+    on the CUDA cores (an H200 check with it printed nothing for minutes; see
+    RESULTS.md).  The interpreter runs the dot on the host, exactly (``HIGHEST``)."""
+    if jnp.dtype(dtype) != F32:
+        return None
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+# --------------------------------------------------------------------------- tiles
+def _pad_to(x, axis, length, edge=False):
+    pad = length - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, mode="edge") if edge else jnp.pad(x, widths)
+
+
+def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg: bool,
+               transpose: bool = False):
+    """Per row block, the column blocks it may see, as ``int32 [B, n_rows, n_cols + 2]``.
+
+    Entry 0 is the number ``c`` of visible blocks, entry 1 the number ``f <= c`` of them
+    whose bounds prove every pair visible; entries ``2 .. 2+c`` are the block indices,
+    the ``f`` fully visible ones first, so a kernel runs two loops: one without any mask
+    code over the first ``f`` and one that evaluates the mask over the other ``c - f``.
+    (Softmax accumulation is order-independent.)  Rows are query blocks
+    (``transpose=False``) or key blocks (``True``).  ``q_pos`` ``[B, Lq]`` and ``kv_pos``
+    ``[Lk]`` are padded (edge values) to whole blocks.
+    """
+    B, Lq = q_pos.shape
+    qb = q_pos.reshape(B, Lq // bq, bq)
+    kb = kv_pos.reshape(-1, bk)
+    q_lo, q_hi = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]  # [B, nq, 1]
+    k_lo, k_hi = kb.min(-1)[None, None], kb.max(-1)[None, None]  # [1, 1, nk]
+    nq, nk = qb.shape[1], kb.shape[0]
+    shape = (B, nq, nk)
+    vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
+    full = full & whole[None, None, :] & (not has_seg) & vis
+    if transpose:
+        vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
+    n_cols = vis.shape[2]
+    rank = jnp.where(full, 0, jnp.where(vis, 1, 2))  # full, then partial, then invisible
+    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+    count = vis.sum(-1, dtype=jnp.int32)[..., None]
+    n_full = full.sum(-1, dtype=jnp.int32)[..., None]
+    order = jnp.where(jnp.arange(n_cols) < count, order, 0)
+    return jnp.concatenate([count, n_full, order], axis=-1)
+
+
+def mask_tile(mask: MaskSpec, s, q_pos, kv_pos, kv_index, Tk: int, q_seg=None, kv_seg=None):
+    """``s`` with invisible pairs set to -inf: positions, padded keys, segments."""
+    diff = kv_pos[None, :] - q_pos[:, None]
+    ok = (kv_index < Tk)[None, :]
+    if mask.right_limit is not None:
+        ok = ok & (diff <= mask.right_limit)
+    if mask.left_limit is not None:
+        ok = ok & (-diff <= mask.left_limit)
+    if q_seg is not None:
+        ok = ok & (q_seg[:, None] == kv_seg[None, :])
+    return jnp.where(ok, s, -jnp.inf)
+
+
+def needs_mask(mask: MaskSpec, Tk: int, bk: int, has_seg: bool) -> bool:
+    return (mask.right_limit is not None or mask.left_limit is not None or has_seg
+            or Tk % bk != 0)
+
+
+# --------------------------------------------------------------------------- forward
+def online_softmax_tile(t, carry, *, q, qpos, qseg, tbl_ref, k_ref, v_ref, kvpos_ref,
+                        kvseg_ref, mask, c, bk, Tk, masked, precision):
+    """One step of FlashAttention-2's forward loop (Alg. 1, lines 6-10) inside a kernel:
+    the key block named by entry ``t`` of the tile list, scores in log2 units (``c`` =
+    scale * log2 e), the mask if ``masked``, then the running ``(acc, m, l)`` updated."""
+    acc, m, l = carry
+    start = pl.multiple_of(tbl_ref[t + 2] * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = dot(q, k, trans_b=True, precision=precision) * c  # [rows, bk] float32
+    if masked:
+        idx = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        kvs = kvseg_ref[pl.ds(start, bk)] if kvseg_ref is not None else None
+        s = mask_tile(mask, s, qpos, kvpos_ref[pl.ds(start, bk)], idx, Tk, qseg, kvs)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l
+
+
+def finish_rows(carry):
+    """``(o, lse)`` of a finished loop: ``o = acc / l``, natural-log ``lse``; rows that
+    saw no key give ``o = 0, lse = -inf``."""
+    acc, m, l = carry
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    return acc / l_safe[:, None], jnp.where(has, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+
+
+# --------------------------------------------------------------------------- checks
+def check_request(request: KernelRequest, name: str, fallback: str) -> None:
+    """What the Pallas kernels (``name``) refuse, with ``NotImplementedError``: head dims
+    outside ``HEAD_DIMS``, dtypes outside ``DTYPES``, block masks (use ``fallback``)."""
+    if request.head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"head_dim={request.head_dim} is not supported by the "
+                                  f"{name} kernel (supported: {HEAD_DIMS})")
+    if str(request.dtype) not in DTYPES:
+        raise NotImplementedError(f"dtype {request.dtype} is not supported by the {name} "
+                                  f"kernel (supported: {DTYPES})")
+    if request.mask.block_mask is not None:
+        raise NotImplementedError(f"block-sparse masks (block_mask) are not supported by "
+                                  f"the {name} kernel; use kernel={fallback!r}")
+
+
+def interpret_mode(interpret: Optional[bool]) -> bool:
+    """``interpret=None``: interpret off GPU (slow, for tests), compile on GPU."""
+    return default_platform() != "gpu" if interpret is None else interpret
