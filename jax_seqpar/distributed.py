@@ -19,6 +19,9 @@ global arrays back to every host, so a script reads the same on one process or m
 
 from __future__ import annotations
 
+import atexit
+import sys
+
 import dataclasses
 import os
 import re
@@ -258,7 +261,40 @@ def initialize(coordinator_address: Optional[str] = None,
         raise ValueError(f"jax.distributed.initialize could not find its settings ({e}); "
                          f"pass coordinator_address, num_processes and process_id, or start "
                          f"the processes with python -m jax_seqpar launch") from e
+    _install_orderly_exit()
     return _remember(requested, source, single=False)
+
+
+# --------------------------------------------------------------------------- shut-down
+def shutdown() -> None:
+    """Leave the job in order: every process's client disconnects at a shutdown barrier,
+    then process 0 stops the coordinator (``jax.distributed.shutdown``).
+
+    ``initialize()`` registers this to run when the interpreter exits normally.  Without
+    it the processes tear their runtime down in whatever order they exit, and the
+    coordinator can go while the others still watch it: each then logs gRPC errors
+    (``WatchTasksAsync failed ... CANCELLED``) on a run that succeeded.  After an uncaught
+    exception it does nothing: the failing process exits at once and loudly, and the
+    launcher (or the cluster) stops the others, instead of this one waiting at a barrier
+    the others never reach.
+    """
+    if _STATE.get("failed") or not jax.distributed.is_initialized():
+        return
+    jax.distributed.shutdown()
+
+
+def _install_orderly_exit() -> None:
+    if _STATE.get("exit_installed"):
+        return
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        _STATE["failed"] = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+    atexit.register(shutdown)
+    _STATE["exit_installed"] = True
 
 
 def _remember(requested: dict, source: str, *, single: bool) -> ProcessInfo:

@@ -324,3 +324,36 @@ def test_from_host_and_to_host_single_process():
     np.testing.assert_array_equal(jd.to_host(part), x)
     with pytest.raises(TypeError, match="spec="):
         jd.from_host(x, mesh, "sp")
+
+
+_QUIET_CHILD = ("import jax_seqpar.distributed as jd; info = jd.initialize(); import jax; "
+                "from jax._src.distributed import global_state as g; "
+                "print('ok', info.process_index, len(jax.devices()), flush=True); ")
+
+
+def test_normal_exit_is_orderly_and_quiet():
+    """Every process leaves through jax.distributed.shutdown at exit (registered by
+    initialize), so a successful job prints no runtime errors; an explicit shutdown()
+    disconnects the client, and a second one is a no-op."""
+    code, out, err = run_launcher("-n", 2, "--devices-per-process", 1, "--timeout", 60, "--",
+                                  sys.executable, "-c", _QUIET_CHILD, timeout=90)
+    assert code == 0, out + err
+    assert "[p0] ok 0 2" in out and "[p1] ok 1 2" in out, out
+    for word in ("CANCELLED", "WatchTasks", "Error", "Traceback", "failed"):
+        assert word not in err and word not in out, (word, out, err)
+    code, out, err = run_launcher(
+        "-n", 2, "--devices-per-process", 1, "--timeout", 60, "--", sys.executable, "-c",
+        _QUIET_CHILD + "jd.shutdown(); print('client', g.client, flush=True); jd.shutdown()",
+        timeout=90)
+    assert code == 0 and "[p0] client None" in out and "[p1] client None" in out, out + err
+
+
+def test_failing_process_skips_the_orderly_exit():
+    """An uncaught exception marks the process failed: it exits at once (no shutdown
+    barrier to wait at), loudly, and the launcher stops the job."""
+    code, out, err = run_launcher(
+        "-n", 2, "--devices-per-process", 1, "--timeout", 60, "--", sys.executable, "-c",
+        _QUIET_CHILD + "import time; time.sleep(30) if info.process_index == 0 else "
+        "(_ for _ in ()).throw(RuntimeError('boom in p1'))", timeout=90)
+    assert code != 0 and code != TIMEOUT_EXIT, (code, out, err)
+    assert "boom in p1" in out + err
