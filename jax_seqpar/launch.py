@@ -11,6 +11,7 @@ with the failed process's code; if ``--timeout`` passes, all are stopped and it 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import socket
@@ -90,10 +91,38 @@ class _Printer:
             stream.flush()
 
 
-def _pump(src, dst: TextIO, prefix: str, printer: _Printer) -> None:
+#: What JAX 0.11's runtime logs when a job's processes disconnect from the coordinator,
+#: even in order (``jax.distributed.shutdown``): a warning that the task-watching RPC was
+#: cancelled, and its gRPC trace (seen on 2 H200s, 2026-11-23).  The launcher holds such
+#: blocks back and prints them only if that process then fails.
+_SHUTDOWN_START = re.compile(r"WatchTasksAsync failed for task \d+: (CANCELLED|UNAVAILABLE)")
+_SHUTDOWN_MORE = re.compile(r"^(Additional GRPC error information|:(CANCELLED|UNAVAILABLE)|"
+                            r"=== Source Location Trace|external/xla\S*grpc_util|\s*$)")
+
+
+def _pump(src, dst: TextIO, prefix: str, printer: _Printer, proc=None) -> None:
+    """Copy ``src`` to ``dst`` line by line with ``prefix``; with ``proc``, hold back the
+    runtime's shutdown warnings (``_SHUTDOWN_START``) and print them only if ``proc``
+    exits non-zero, so that a successful job ends quietly and a failing one shows all."""
+    held, in_block = [], False
     for raw in iter(src.readline, b""):
-        printer.line(dst, prefix + raw.decode("utf-8", errors="replace"))
+        text = raw.decode("utf-8", errors="replace")
+        if proc is not None and (_SHUTDOWN_START.search(text)
+                                 or (in_block and _SHUTDOWN_MORE.match(text))):
+            held.append(text)
+            in_block = True
+            continue
+        in_block = False
+        printer.line(dst, prefix + text)
     src.close()
+    if held:
+        try:
+            code = proc.wait(timeout=_GRACE_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            for text in held:
+                printer.line(dst, prefix + text)
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -176,7 +205,7 @@ def launch(command: Sequence[str], num_processes: int, *,
                 return 127
             procs.append(p)
             for src, dst in ((p.stdout, stdout), (p.stderr, stderr)):
-                t = threading.Thread(target=_pump, args=(src, dst, f"[p{i}] ", printer),
+                t = threading.Thread(target=_pump, args=(src, dst, f"[p{i}] ", printer, p),
                                      daemon=True)
                 t.start()
                 pumps.append(t)
