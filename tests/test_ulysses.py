@@ -12,6 +12,9 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
+from jax_seqpar import comm
+from jax_seqpar.comm import collective_bytes, op_axes
+from jax_seqpar.parallel.costs import AttnShape, bytes_per_axis
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 B, S, D = 1, 64, 16
@@ -123,3 +126,77 @@ def test_usp_errors():
     with pytest.raises(ValueError, match=r"'inner' of size 4.*Hkv=2"):
         jsp.attention(q, k, v, mesh=_mesh((2, 4)), axis_name=("outer", "inner"),
                       strategy="usp")
+
+
+# ------------------------------------------------------------------ bytes per mesh axis
+def _reports(strategy, G, Hq, Hkv, backward, with_seg, S_=S):
+    """Forward and backward ``CommReport``s of one call (float32: the CPU backend sends
+    bf16 collectives as f32), tokens already in layout order (``permuted=True``) so that
+    only the attention's own collectives are counted."""
+    q, k, v = helpers.make_qkv(2, B=B, S=S_, Hq=Hq, Hkv=Hkv, D=D)
+    do = helpers.make_cotangent(2, q.shape)
+    seg = helpers.sorted_segments(3, B, S_) if with_seg else None
+    mesh, axis = _mesh(G), _axis(G)
+
+    def att(q, k, v):
+        return jsp.attention(q, k, v, mesh=mesh, axis_name=axis, strategy=strategy,
+                             causal=True, layout="zigzag", permuted=True, segment_ids=seg,
+                             backward=backward)
+
+    fwd = collective_bytes(att, q, k, v)
+    _, vjp = jax.vjp(att, q, k, v)
+    bwd = collective_bytes(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
+    shape = AttnShape(B, S_, Hq, Hkv, D, 4, with_seg)
+    axes = dict(zip(("outer", "inner"), G)) if isinstance(G, tuple) else {"sp": G}
+    return mesh, fwd, bwd, bytes_per_axis(strategy, shape, axes, backward=backward)
+
+
+@pytest.mark.parametrize("G,Hq,Hkv,with_seg", [(2, 8, 2, True), (4, 8, 4, False),
+                                               (8, 8, 8, True)])
+def test_ulysses_bytes_per_axis(G, Hq, Hkv, with_seg):
+    mesh, fwd, bwd, want = _reports("ulysses", G, Hq, Hkv, "kv", with_seg)
+    assert fwd.bytes_by_axis(mesh) == want["forward"]
+    assert bwd.bytes_by_axis(mesh) == want["backward"]
+    assert fwd.count_by_kind()["all-to-all"] == 4          # q, k, v in; o out
+    assert bwd.count_by_kind() == {"all-to-all": 4}        # dO in; dq, dk, dv out
+    T = S // G
+    assert want["backward"]["sp"] == (G - 1) * B * T * (2 * Hq + 2 * Hkv) * D * 4 // G
+
+
+@pytest.mark.parametrize("G,Hq,Hkv,backward,with_seg", [((2, 4), 8, 4, "kv", True),
+                                                        ((2, 4), 8, 4, "q", False),
+                                                        ((4, 2), 4, 2, "q", True),
+                                                        ((4, 2), 4, 2, "kv", False)])
+def test_usp_bytes_per_axis(G, Hq, Hkv, backward, with_seg):
+    mesh, fwd, bwd, want = _reports("usp", G, Hq, Hkv, backward, with_seg)
+    assert fwd.bytes_by_axis(mesh) == want["forward"]
+    assert bwd.bytes_by_axis(mesh) == want["backward"]
+    assert set(want["forward"]) == {"outer", "inner"} and all(want["forward"].values())
+    # all-to-alls only on the inner axis, ring hops only on the outer one
+    for rep in (fwd, bwd):
+        for op in rep.ops:
+            assert op_axes(op, mesh) == ("inner" if op.kind in ("all-to-all", "all-gather")
+                                         else "outer"), op
+
+
+def test_op_axes_reads_every_replica_group_spelling():
+    a2a = "%x = f32[4] all-to-all(%y), replica_groups={{0,1},{2,3},{4,5},{6,7}}"
+    iota = "%x = f32[4] all-reduce(%y), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add"
+    meshf = ("%x = f32[4] all-gather(%y), replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, "
+             "dimensions={0}")
+    perm = "%x = f32[4] collective-permute(%y), source_target_pairs={{0,2},{2,0},{5,7}}"
+    mesh = {"outer": 2, "mid": 2, "inner": 2}
+    got = []
+    for line in (a2a, iota, meshf, perm):
+        groups = comm._replica_groups(line, 8)
+        got.append(op_axes(comm.CollectiveOp("x", "x", "c", 4, 2, 1, 4.0, groups), mesh))
+    assert got == ["inner", ("outer", "mid"), ("outer", "inner"), "mid"]
+    assert comm._replica_groups(iota, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "tree"])
+def test_one_axis_strategies_bytes_per_axis(strategy):
+    """The per-axis formulas of the older strategies, forward and backward, at G=4."""
+    mesh, fwd, bwd, want = _reports(strategy, 4, 4, 2, "kv", True)
+    assert fwd.bytes_by_axis(mesh) == want["forward"]
+    assert bwd.bytes_by_axis(mesh) == want["backward"]
