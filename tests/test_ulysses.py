@@ -69,12 +69,10 @@ ULYSSES_CASES = [  # (G, Hq, Hkv, causal, window, layout, segments, dtype)
     (1, 4, 4, False, None, "contiguous", False, F32),
     (2, 8, 2, True, None, "contiguous", False, F32),     # GQA: head h -> kv head h // 4
     (2, 8, 2, False, None, "zigzag", True, BF16),
-    (4, 4, 4, True, None, "zigzag", False, F32),
-    (4, 8, 4, True, None, "contiguous", True, F32),
-    (4, 8, 4, False, (7, 2), "zigzag", False, BF16),
-    (8, 8, 8, True, (9, 0), "contiguous", False, F32),
-    (8, 16, 8, False, None, "contiguous", True, F32),
-    (8, 8, 8, True, None, "zigzag", True, F32),
+    (4, 8, 4, True, None, "zigzag", True, F32),
+    (4, 4, 4, False, (7, 2), "zigzag", False, BF16),
+    (8, 8, 8, True, (9, 0), "contiguous", True, F32),
+    (8, 16, 8, True, None, "zigzag", False, F32),
 ]
 
 
@@ -84,11 +82,9 @@ def test_ulysses_matches_reference(G, Hq, Hkv, causal, window, layout, with_seg,
 
 
 USP_CASES = [  # ((No, Ni), Hq, Hkv, backward, layout, segments, dtype)
-    ((2, 4), 8, 4, "kv", "zigzag", False, F32),
-    ((2, 4), 8, 4, "q", "zigzag", True, F32),
-    ((4, 2), 4, 2, "kv", "zigzag", False, F32),
-    ((4, 2), 4, 2, "q", "zigzag", False, BF16),
-    ((4, 2), 8, 2, "q", "contiguous", False, F32),
+    ((2, 4), 8, 4, "kv", "zigzag", True, F32),
+    ((4, 2), 4, 2, "kv", "zigzag", False, BF16),
+    ((4, 2), 8, 2, "q", "zigzag", True, F32),
 ]
 
 
@@ -131,8 +127,9 @@ def test_usp_errors():
 # ------------------------------------------------------------------ bytes per mesh axis
 def _reports(strategy, G, Hq, Hkv, backward, with_seg, S_=S):
     """Forward and backward ``CommReport``s of one call (float32: the CPU backend sends
-    bf16 collectives as f32), tokens already in layout order (``permuted=True``) so that
-    only the attention's own collectives are counted."""
+    bf16 collectives as f32).  No mask (a causal mask sends the same bytes,
+    ``test_burst.test_causal_does_not_change_traffic``, and compiles slower) and the
+    contiguous layout, so that only the attention's own collectives are counted."""
     q, k, v = helpers.make_qkv(2, B=B, S=S_, Hq=Hq, Hkv=Hkv, D=D)
     do = helpers.make_cotangent(2, q.shape)
     seg = helpers.sorted_segments(3, B, S_) if with_seg else None
@@ -140,8 +137,7 @@ def _reports(strategy, G, Hq, Hkv, backward, with_seg, S_=S):
 
     def att(q, k, v):
         return jsp.attention(q, k, v, mesh=mesh, axis_name=axis, strategy=strategy,
-                             causal=True, layout="zigzag", permuted=True, segment_ids=seg,
-                             backward=backward)
+                             segment_ids=seg, backward=backward)
 
     fwd = collective_bytes(att, q, k, v)
     _, vjp = jax.vjp(att, q, k, v)
@@ -151,8 +147,7 @@ def _reports(strategy, G, Hq, Hkv, backward, with_seg, S_=S):
     return mesh, fwd, bwd, bytes_per_axis(strategy, shape, axes, backward=backward)
 
 
-@pytest.mark.parametrize("G,Hq,Hkv,with_seg", [(2, 8, 2, True), (4, 8, 4, False),
-                                               (8, 8, 8, True)])
+@pytest.mark.parametrize("G,Hq,Hkv,with_seg", [(2, 8, 2, True), (8, 8, 8, False)])
 def test_ulysses_bytes_per_axis(G, Hq, Hkv, with_seg):
     mesh, fwd, bwd, want = _reports("ulysses", G, Hq, Hkv, "kv", with_seg)
     assert fwd.bytes_by_axis(mesh) == want["forward"]
@@ -163,10 +158,7 @@ def test_ulysses_bytes_per_axis(G, Hq, Hkv, with_seg):
     assert want["backward"]["sp"] == (G - 1) * B * T * (2 * Hq + 2 * Hkv) * D * 4 // G
 
 
-@pytest.mark.parametrize("G,Hq,Hkv,backward,with_seg", [((2, 4), 8, 4, "kv", True),
-                                                        ((2, 4), 8, 4, "q", False),
-                                                        ((4, 2), 4, 2, "q", True),
-                                                        ((4, 2), 4, 2, "kv", False)])
+@pytest.mark.parametrize("G,Hq,Hkv,backward,with_seg", [((4, 2), 4, 2, "q", True)])
 def test_usp_bytes_per_axis(G, Hq, Hkv, backward, with_seg):
     mesh, fwd, bwd, want = _reports("usp", G, Hq, Hkv, backward, with_seg)
     assert fwd.bytes_by_axis(mesh) == want["forward"]
@@ -194,7 +186,7 @@ def test_op_axes_reads_every_replica_group_spelling():
     assert comm._replica_groups(iota, 8) == ((0, 2, 4, 6), (1, 3, 5, 7))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "tree"])
+@pytest.mark.parametrize("strategy", ["allgather", "tree"])
 def test_one_axis_strategies_bytes_per_axis(strategy):
     """The per-axis formulas of the older strategies, forward and backward, at G=4."""
     mesh, fwd, bwd, want = _reports(strategy, 4, 4, 2, "kv", True)
