@@ -126,7 +126,8 @@ def attention(
       permuted: False (default): arrays are in natural token order, permuted into the
         layout on the way in and back on the way out.  True: they already are in layout
         order (``layouts.permute_sequence``) and the output stays so -- the efficient path
-        for a model that permutes its tokens once, at the input.
+        for a model that permutes its tokens once, at the input.  For ``"usp"`` the
+        layout is over the outer axis only: ``permute_sequence(x, layout, mesh.shape[outer])``.
       backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
         ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
         see ``jax_seqpar.parallel.costs``).  Ignored by ``"allgather"`` and ``"tree"``.
