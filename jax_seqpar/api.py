@@ -23,8 +23,10 @@ from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.ring import ring_attention_with_config
 from jax_seqpar.parallel.selective import selective_ring_attention_with_config
 from jax_seqpar.parallel.tree import tree_sequence_attention_with_config
+from jax_seqpar.parallel.ulysses import (check_heads, ulysses_attention_with_config,
+                                         usp_attention_with_config, usp_axes)
 
-STRATEGIES = ("ring", "allgather", "tree")
+STRATEGIES = ("ring", "allgather", "tree", "ulysses", "usp")
 PLANNED_STRATEGIES = ()
 
 
@@ -117,7 +119,10 @@ def attention(
       strategy: ``"ring"`` (K/V circulate, O(S/G) memory), ``"allgather"`` (every device
         gathers K/V: the baseline) or ``"tree"`` (every device gathers the queries, K/V stay
         put, and the partial outputs are combined by Tree Attention's logsumexp reduction;
-        O(S) query memory per device -- see ``parallel.tree``).
+        O(S) query memory per device -- see ``parallel.tree``), ``"ulysses"``
+        (DeepSpeed-Ulysses: all-to-alls trade sequence shards for head shards; heads must
+        divide by the axis size) or ``"usp"`` (``axis_name=(outer, inner)``: Ulysses over
+        ``inner`` x ring over ``outer``; see ``parallel.ulysses``).
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
@@ -131,7 +136,8 @@ def attention(
       permuted: False (default): arrays are in natural token order, permuted into the
         layout on the way in and back on the way out.  True: they already are in layout
         order (``layouts.permute_sequence``) and the output stays so -- the efficient path
-        for a model that permutes its tokens once, at the input.
+        for a model that permutes its tokens once, at the input.  For ``"usp"`` the
+        layout is over the outer axis only: ``permute_sequence(x, layout, mesh.shape[outer])``.
       backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
         ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
         see ``jax_seqpar.parallel.costs``).  Ignored by ``"allgather"`` and ``"tree"``.
@@ -146,6 +152,12 @@ def attention(
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
     G = _num_shards(mesh, axis_name)
+    if strategy == "usp":  # the layout deals the sequence over the outer (ring) axis
+        outer, inner = usp_axes(axis_name)
+        check_heads(q.shape[2], k.shape[2], mesh.shape[inner], inner, strategy)
+        G = mesh.shape[outer]
+    elif strategy == "ulysses":
+        check_heads(q.shape[2], k.shape[2], G, axis_name, strategy)
     bm = _block_mask(block_mask, q.shape[1])
     stripe = 1
     if bm is not None and layout == "striped":
@@ -171,10 +183,15 @@ def attention(
 @functools.lru_cache(maxsize=256)
 def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
     """The jitted global program for one static configuration (cached, so repeated eager
-    calls reuse the compiled executable instead of tracing a fresh closure each time)."""
+    calls reuse the compiled executable instead of tracing a fresh closure each time).
+
+    ``G`` is the number of layout shards: the devices of ``axis_name``, but for "usp"
+    only those of the outer (ring) axis (``parallel.ulysses``, token order)."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config,
                   "tree": tree_sequence_attention_with_config,
+                  "ulysses": ulysses_attention_with_config,
+                  "usp": usp_attention_with_config,
                   # not a public strategy: jax_seqpar.remat.seq_selective_attention
                   "ring_selective": selective_ring_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)

@@ -28,6 +28,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import jax
+import numpy as np
 
 KINDS = ("collective-permute", "all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
@@ -78,6 +79,9 @@ class CollectiveOp:
     group_size: int
     executions: int         # how many times it runs per call (loop trip counts)
     bytes_sent: float       # per device, per call, all executions included
+    #: the device (partition) ids that talk: replica groups, or for a collective-permute
+    #: its (source, target) pairs; () when the HLO names none (all devices, one group)
+    groups: Tuple[Tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass
@@ -97,6 +101,21 @@ class CommReport:
             out[op.kind] = out.get(op.kind, 0) + op.executions
         return out
 
+    def bytes_by_axis(self, mesh) -> Dict[object, int]:
+        """Bytes per mesh axis: ``{axis name: bytes}`` (a tuple of names for collectives
+        whose groups span several axes; ``None`` for groups of one device).
+
+        ``mesh`` is a ``jax.sharding.Mesh`` or a ``{name: size}`` dict in mesh order.
+        Device (partition) id ``d`` of the compiled program is the ``d``-th device of the
+        mesh in row-major order; an op belongs to the axes along which the devices of its
+        groups (or of each source/target pair) differ.
+        """
+        out: Dict[object, float] = {}
+        for op in self.ops:
+            key = op_axes(op, mesh)
+            out[key] = out.get(key, 0) + op.bytes_sent
+        return {k: int(round(v)) for k, v in out.items() if v}
+
     @property
     def total_bytes(self) -> int:
         return int(round(sum(op.bytes_sent for op in self.ops)))
@@ -104,6 +123,59 @@ class CommReport:
     def summary(self) -> str:
         parts = [f"{k}: {v:,} B" for k, v in self.bytes_by_kind().items()]
         return ", ".join(parts) if parts else "no collectives"
+
+
+def _mesh_shape(mesh) -> Dict[str, int]:
+    shape = getattr(mesh, "shape", mesh)
+    return dict(shape)
+
+
+def op_axes(op: CollectiveOp, mesh):
+    """Mesh axes along which ``op``'s devices differ (see ``CommReport.bytes_by_axis``)."""
+    shape = _mesh_shape(mesh)
+    names, sizes = tuple(shape), tuple(shape.values())
+    n = math.prod(sizes)
+    groups = op.groups or (tuple(range(n)),)
+    varying = set()
+    for g in groups:
+        if any(d >= n for d in g):
+            raise ValueError(f"{op.name} names device {max(g)}, outside the mesh {shape}")
+        coords = [np.unravel_index(d, sizes) for d in g]
+        for a in range(len(sizes)):
+            if len({c[a] for c in coords}) > 1:
+                varying.add(a)
+    axes = tuple(names[a] for a in sorted(varying))
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _replica_groups(line: str, num_devices: int) -> Tuple[Tuple[int, ...], ...]:
+    """Device groups of a collective, in any of the HLO spellings; () if none is given."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        return tuple(tuple(int(x) for x in p.split(","))
+                     for p in re.findall(r"\{(\d+,\d+)\}", m.group(1)))
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        return tuple(tuple(int(x) for x in g.split(",") if x)
+                     for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:  # iota form: [groups, size] <= reshape(iota, dims).transpose(perm)
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return tuple(tuple(int(x) for x in g)
+                     for g in ids.reshape(int(m.group(1)), int(m.group(2))))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:  # mesh form: mesh['a'=2,'b'=4] {'b'}: groups vary along the named axes
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        inside = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+        outside = [i for i in range(len(names)) if i not in inside]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(outside + inside)
+        size = math.prod(sizes[i] for i in inside)
+        return tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
+    return ()
 
 
 def _parse(hlo: str):
@@ -175,7 +247,9 @@ def analyze_hlo(hlo: str, num_devices: int) -> CommReport:
             n = sum(_shape_bytes(shapes.get(o, "")) for o in operands)
             if n == 0:  # operand shapes printed inline
                 n = _shape_bytes(rest.split(")")[0])
-            G = _group_size(line, num_devices)
+            groups = _replica_groups(line, num_devices)
+            G = (len(groups[0]) if groups and base != "collective-permute"
+                 else _group_size(line, num_devices))
             per_exec = {
                 "collective-permute": n,
                 "all-gather": (G - 1) * n,
@@ -184,7 +258,7 @@ def analyze_hlo(hlo: str, num_devices: int) -> CommReport:
                 "all-to-all": (G - 1) / G * n,
             }[base]
             ex = mult[cname]
-            ops.append(CollectiveOp(base, name, cname, n, G, ex, per_exec * ex))
+            ops.append(CollectiveOp(base, name, cname, n, G, ex, per_exec * ex, groups))
     return CommReport(ops=ops, warnings=sorted(set(warnings)))
 
 

@@ -33,7 +33,7 @@ use float32 inputs.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 ACC_BYTES = 4  # float32 gradient accumulators and row statistics
 
@@ -120,3 +120,123 @@ def choose_backward(s: RingShape, *, link_bytes_per_s: Optional[float] = None) -
         reason += (f"; at {link_bytes_per_s / 1e9:.0f} GB/s: kv {kv / link_bytes_per_s * 1e3:.3f} ms,"
                    f" q {q / link_bytes_per_s * 1e3:.3f} ms")
     return BackwardChoice(scheme, reason, kv, q)
+
+
+# --------------------------------------------------------------------------------------
+# Bytes per mesh axis: every strategy (issue 19)
+# --------------------------------------------------------------------------------------
+#
+# ``G`` devices on the axis, ``S`` tokens, ``T = S / G`` per device; ``e`` bytes per input
+# element.  Textbook volumes as ``comm.py`` counts them: an all-gather sends ``(G-1) n``,
+# a reduce-scatter and an all-to-all ``(G-1)/G n``, an all-reduce ``2 (G-1)/G n`` for an
+# operand of ``n`` bytes on each device.
+#
+# * allgather: forward gathers K, V (and segment ids): ``(G-1) (2 B T Hkv D e + 4 B T)``;
+#   backward reduce-scatters dK, dV ``[B, S, Hkv, D]``: ``(G-1)/G * 2 B S Hkv D e``.
+# * tree (``tree.py``): forward gathers Q (and ids), one pmax of lse ``[B, Hq, S]`` f32,
+#   one reduce-scatter of ``[B, S, Hq, D+1]`` f32; backward gathers Q, dO, lse, delta
+#   (and ids) and reduce-scatters the f32 dQ ``[B, S, Hq, D]``.
+# * ulysses (DeepSpeed-Ulysses §3.1): forward all-to-alls Q, K, V in and O out, each
+#   device sending ``(G-1)/G`` of them, ``(G-1)/G * B T (2 Hq + 2 Hkv) D e``, and gathers
+#   segment ids ``(G-1) 4 B T``; the backward is the transpose: dO in, dQ, dK, dV out,
+#   the same ``(G-1)/G * B T (2 Hq + 2 Hkv) D e``.
+# * usp (Ulysses over ``inner`` of ``Ni`` devices x ring over ``outer`` of ``No``):
+#   the ulysses volumes on ``inner`` with ``T = S / (No Ni)``, and on ``outer`` the ring
+#   volumes of a ring of ``No`` devices holding ``S / No`` tokens and ``Hq / Ni``,
+#   ``Hkv / Ni`` heads (``forward_bytes`` / ``backward_bytes``).
+
+PHASES = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    """Global shapes of one self-attention call (the sequence ``seq_len`` not yet split)."""
+
+    batch: int
+    seq_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    has_segments: bool = False
+
+    def tokens(self, num_devices: int) -> int:
+        if self.seq_len % num_devices:
+            raise ValueError(f"seq_len={self.seq_len} must be divisible by the "
+                             f"{num_devices} devices it is split over")
+        return self.seq_len // num_devices
+
+
+def _ids(s: AttnShape, T: int) -> int:
+    return s.batch * T * 4 if s.has_segments else 0
+
+
+def allgather_bytes(s: AttnShape, G: int) -> Dict[str, int]:
+    T = s.tokens(G)
+    kv = 2 * s.batch * T * s.kv_heads * s.head_dim * s.itemsize
+    return {"forward": (G - 1) * (kv + _ids(s, T)), "backward": (G - 1) * kv}
+
+
+def tree_bytes(s: AttnShape, G: int) -> Dict[str, int]:
+    T, B, H, D = s.tokens(G), s.batch, s.q_heads, s.head_dim
+    rows = B * H * T * ACC_BYTES  # one float32 per query row on one device
+    fwd = ((G - 1) * (B * T * H * D * s.itemsize + _ids(s, T))
+           + 2 * (G - 1) * rows                                # pmax of lse [B, H, S]
+           + (G - 1) * B * T * H * (D + 1) * ACC_BYTES)        # reduce-scatter [B,S,H,D+1]
+    bwd = ((G - 1) * (2 * B * T * H * D * s.itemsize + 2 * rows + _ids(s, T))
+           + (G - 1) * B * T * H * D * ACC_BYTES)              # reduce-scatter of dQ
+    return {"forward": fwd, "backward": bwd}
+
+
+def ulysses_bytes(s: AttnShape, G: int) -> Dict[str, int]:
+    """Bytes one device sends on the Ulysses axis of ``G`` devices (heads divide by G)."""
+    if s.q_heads % G or s.kv_heads % G:
+        raise ValueError(f"q_heads={s.q_heads} and kv_heads={s.kv_heads} must be divisible "
+                         f"by the {G} devices of the Ulysses axis")
+    T = s.tokens(G)
+    qkvo = s.batch * T * (2 * s.q_heads + 2 * s.kv_heads) * s.head_dim * s.itemsize
+    a2a = (G - 1) * qkvo // G  # exact: the heads divide by G
+    return {"forward": a2a + (G - 1) * _ids(s, T), "backward": a2a}
+
+
+def ring_bytes(s: AttnShape, G: int, backward: str = "kv", chains=None,
+               o_travels: bool = False) -> Dict[str, int]:
+    shape = RingShape(G, s.batch, s.tokens(G), s.q_heads, s.kv_heads, s.head_dim,
+                      s.itemsize, s.has_segments, chains, o_travels)
+    return {"forward": forward_bytes(shape), "backward": backward_bytes(backward, shape)}
+
+
+def bytes_per_axis(strategy: str, s: AttnShape, axes: Dict[str, int], *,
+                   backward: str = "kv", chains=None,
+                   o_travels: bool = False) -> Dict[str, Dict[str, int]]:
+    """``{"forward": {axis: bytes}, "backward": {axis: bytes}}`` one device sends.
+
+    ``axes`` maps mesh axis names to sizes, in ``axis_name`` order: one axis for ring,
+    allgather, tree and ulysses, ``{outer: No, inner: Ni}`` for usp.  ``backward`` and
+    ``chains`` (``schedule.ring_schedule``; default the whole ring) describe the ring.
+    """
+    names = tuple(axes)
+    if strategy == "usp":
+        if len(names) != 2:
+            raise ValueError(f"usp needs axes={{outer: No, inner: Ni}}; got {axes!r}")
+        outer, inner = names
+        No, Ni = axes[outer], axes[inner]
+        inner_shape = dataclasses.replace(s, seq_len=s.seq_len // No)  # one outer block
+        if s.seq_len % No:
+            raise ValueError(f"seq_len={s.seq_len} must be divisible by {outer}={No}")
+        ring_shape = dataclasses.replace(s, q_heads=s.q_heads // Ni, kv_heads=s.kv_heads // Ni)
+        u = ulysses_bytes(inner_shape, Ni)
+        r = ring_bytes(ring_shape, No, backward, chains, o_travels) if No > 1 else {
+            p: 0 for p in PHASES}
+        return {p: {outer: r[p], inner: u[p]} for p in PHASES}
+    if len(names) != 1:
+        raise ValueError(f"strategy={strategy!r} runs on one axis; got axes={axes!r}")
+    G = axes[names[0]]
+    if strategy == "ring":
+        b = ring_bytes(s, G, backward, chains, o_travels) if G > 1 else {p: 0 for p in PHASES}
+    elif strategy in ("allgather", "tree", "ulysses"):
+        b = {"allgather": allgather_bytes, "tree": tree_bytes,
+             "ulysses": ulysses_bytes}[strategy](s, G)
+    else:
+        raise ValueError(f"unknown strategy={strategy!r} for bytes_per_axis")
+    return {p: {names[0]: b[p]} for p in PHASES}

@@ -1,0 +1,110 @@
+"""Issue 19 item 4: which instructions the compiled schedule puts inside each collective.
+
+The CPU backend emits synchronous collectives (no ``-start``/``-done`` pairs), so on CPU
+the window of a collective is the scheduled code between it and its first user; the
+asynchronous form (what GPUs emit) is tested on hand-written HLO.
+"""
+
+import functools
+
+import jax
+import pytest
+
+import helpers
+import jax_seqpar as jsp
+from jax_seqpar.overlap import overlap_report, overlap_windows
+
+ASYNC_HLO = """HloModule m, is_scheduled=true
+
+%fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_copy (p0.1: f32[4,4]) -> f32[4,4] {
+  %p0.1 = f32[4,4]{1,0} parameter(0)
+  ROOT %copy.1 = f32[4,4]{1,0} copy(%p0.1)
+}
+
+%a2a (p.2: f32[4,4]) -> f32[4,4] {
+  %p.2 = f32[4,4]{1,0} parameter(0)
+  ROOT %all-to-all.9 = f32[4,4]{1,0} all-to-all(%p.2), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %cp-start = (f32[4,4]{1,0}, f32[4,4]{1,0}) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
+  %kernel = f32[4,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot
+  %cp-done = f32[4,4]{1,0} collective-permute-done(%cp-start)
+  %grad-start = (f32[4,4]{1,0}, f32[4,4]{1,0}) collective-permute-start(%kernel), source_target_pairs={{0,1},{1,0}}
+  %copy = f32[4,4]{1,0} fusion(%b), kind=kLoop, calls=%fused_copy
+  %grad-done = f32[4,4]{1,0} collective-permute-done(%grad-start)
+  %a2a-start = ((f32[4,4]{1,0}), f32[4,4]{1,0}) async-start(%cp-done), calls=%a2a
+  %a2a-done = f32[4,4]{1,0} async-done(%a2a-start)
+  ROOT %out = f32[4,4]{1,0} add(%a2a-done, %grad-done)
+}
+"""
+
+
+def test_async_pairs_on_handwritten_hlo():
+    w = {x.collective: x for x in overlap_windows(ASYNC_HLO)}
+    assert set(w) == {"cp-start", "grad-start", "a2a-start"}
+    assert w["cp-start"].is_async and w["cp-start"].compute == ("kernel",)
+    assert not w["cp-start"].gradient and w["cp-start"].operand_ops == ("parameter",)
+    # a copy is not kernel compute; this permute sends data the kernel produced
+    assert [b[:2] for b in w["grad-start"].between] == [("copy", "fusion")]
+    assert not w["grad-start"].overlapped and w["grad-start"].gradient
+    assert w["a2a-start"].kind == "all-to-all" and w["a2a-start"].between == ()
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_windows(causal, backward):
+    G, S = 4, 64
+    q, k, v = helpers.make_qkv(7, B=1, S=S, Hq=4, Hkv=4, D=16)
+    do = helpers.make_cotangent(7, q.shape)
+    mesh = helpers.make_mesh(G)
+    layout = "zigzag" if causal else "contiguous"
+
+    def f(q, k, v):
+        return jsp.attention(q, k, v, mesh=mesh, causal=causal, layout=layout,
+                             permuted=True, backward=backward)
+
+    fwd = overlap_report(f, q, k, v)
+    _, vjp = jax.vjp(f, q, k, v)
+    bwd = overlap_report(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_forward_prefetch_overlaps_the_kernel(causal):
+    """Forward, G=4 (3 hops of K and V): the CPU emits synchronous collective-permutes;
+    every hop that forwards a received block (hops 2 and 3: the prefetch of the next
+    block) has the kernel's tile computation scheduled before its block is used."""
+    fwd, _ = _ring_windows(causal, "kv")
+    assert len(fwd) == 6 and all(w.kind == "collective-permute" for w in fwd)
+    assert not any(w.is_async for w in fwd)  # CPU: synchronous collectives
+    assert not any(w.gradient for w in fwd)  # K and V only travel
+    forwarded = [w for w in fwd if w.operand_ops == ("collective-permute",)]
+    assert len(forwarded) == 4
+    for w in forwarded:
+        assert w.overlapped, (w.collective, w.between)
+
+
+@pytest.mark.parametrize("backward,activations,gradients", [
+    ("kv", 3, 6),   # stacked K/V x 3 hops; dK, dV: 2 accumulator hops + 1 hop home each
+    ("q", 12, 3),   # Q, dO, D, lse x 3 hops; dQ: 2 accumulator hops + 1 hop home
+])
+def test_ring_backward_activation_and_gradient_hops(backward, activations, gradients):
+    """Backward, G=4: the windows tell activation hops (data that only travels) from
+    gradient hops (accumulators that wait for their own tile, BurstEngine Fig. 5), and
+    most activation hops have kernel compute in their window on CPU's schedule."""
+    _, bwd = _ring_windows(False, backward)
+    act = [w for w in bwd if not w.gradient]
+    grad = [w for w in bwd if w.gradient]
+    assert (len(act), len(grad)) == (activations, gradients)
+    assert all(w.kind == "collective-permute" and not w.is_async for w in bwd)
+    # CPU's schedule leaves up to two first-hop sends without a tile in their window
+    assert sum(w.overlapped for w in act) >= len(act) - 2, \
+        [(w.collective, w.compute) for w in act]
