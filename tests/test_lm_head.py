@@ -23,14 +23,16 @@ EXTRAS = dict(ignore_index=5, z_loss=1e-2, label_smoothing=0.1, logit_softcap=4.
 
 
 def inputs(seed, dtype=F32, vocab=V, seq=S):
-    k = jax.random.split(jax.random.key(seed), 4)
-    h = jax.random.normal(k[0], (B, seq, D), F32).astype(dtype)
-    w = (jax.random.normal(k[1], (D, vocab), F32) * 0.6).astype(dtype)
-    targets = jax.random.randint(k[2], (B, seq), -4, vocab)   # some negative: ignored
-    best = jnp.argmax(jnp.einsum("bsd,dv->bsv", h.astype(F32), w.astype(F32)), axis=-1)
-    targets = targets.at[:, ::3].set(best[:, ::3])            # some right: accuracy > 0
-    weights = jax.random.uniform(k[3], (B, seq), F32, 0.2, 2.0)
-    return h, w, targets, weights
+    """Random ``h, w, targets, weights`` (NumPy: no compilation per test shape)."""
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((B, seq, D), np.float32), dtype)
+    w = jnp.asarray(0.6 * rng.standard_normal((D, vocab), np.float32), dtype)
+    targets = rng.integers(-4, vocab, (B, seq))                # some negative: ignored
+    best = np.argmax(np.einsum("bsd,dv->bsv", np.asarray(h, np.float32),
+                               np.asarray(w, np.float32)), axis=-1)
+    targets[:, ::3] = best[:, ::3]                             # some right: accuracy > 0
+    weights = rng.uniform(0.2, 2.0, (B, seq)).astype(np.float32)
+    return h, w, jnp.asarray(targets, jnp.int32), jnp.asarray(weights)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +68,8 @@ C = 1.7   # the loss cotangent: the backward must scale the forward's gradients 
 
 
 @pytest.mark.parametrize("dtype, blocks", [
-    (F32, (None, None)), (F32, (24, None)), (F32, (24, 10)), (BF16, (24, 10))],
-    ids=["f32-one-tile", "f32-rows-uneven", "f32-rows+vocab-uneven", "bf16-rows+vocab-uneven"])
+    (F32, (None, None)), (F32, (24, 10)), (BF16, (24, 10))],
+    ids=["f32-one-tile", "f32-rows+vocab-uneven", "bf16-rows+vocab-uneven"])
 def test_matches_naive(dtype, blocks):
     h, w, t, wt = inputs(0, dtype)
     got = fused_fn(block_s=blocks[0], block_v=blocks[1])(h, w, t, wt, C)
@@ -127,9 +129,10 @@ def unzigzag(x, G):
     return np.take(x, np.argsort(permutation("zigzag", x.shape[1], G)), axis=1)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [F32], ids=["f32"])
 def test_sequence_parallel_zigzag_8_devices(dtype):
-    """Rows in zigzag order, sharded over 8 devices: the mean uses the global weight."""
+    """Rows in zigzag order, sharded over 8 devices: the mean uses the global weight.
+    (The held-logits path with uneven row tiles is also test_extras[held].)"""
     G, seq = 8, 48
     mesh = jax.make_mesh((G,), ("sp",))
     h, w, t, wt = inputs(4, dtype, seq=seq)
