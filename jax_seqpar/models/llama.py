@@ -13,6 +13,12 @@ the targets in *natural* order before permuting them the same way, so every toke
 target is lost or duplicated at shard boundaries.  With ``mesh=None`` the same
 parameters run as a plain single-device model.
 
+``config.fused_loss`` (default True) makes ``next_token_loss`` use the fused LM head +
+cross-entropy of ``jax_seqpar.lm_head`` (BurstEngine Alg. 3): the ``[B, S, vocab]``
+logits are never stored, and the head's gradients are made in the forward.  It is the
+default on every platform for now; the GPU benchmark (``benchmarks/lm_head.py``) decides
+whether it stays the default where it would be slower than the plain logits.
+
 ``config.remat`` checkpoints every block (``jax_seqpar.remat``): ``"full"`` keeps the
 block inputs only, ``"attention"`` also keeps the attention output and lse (DistFlashAttn
 §3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2).
@@ -31,6 +37,7 @@ from jax.sharding import Mesh
 
 from jax_seqpar.layers.core import SeqParallelOptions
 from jax_seqpar.layers.linen import SeqParallelAttention
+from jax_seqpar.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
 from jax_seqpar.remat import REMAT_MODES, policy_for
 
@@ -44,6 +51,10 @@ class LlamaConfig:
     ``head_dim`` defaults to ``d_model // num_heads``; ``ffn_dim`` to Llama's
     ``8/3 * d_model`` rounded up to a multiple of 16.  ``dtype`` is the activation dtype,
     ``param_dtype`` the parameters'.  ``window`` adds a sliding window to the causal mask.
+    ``fused_loss``: ``next_token_loss`` computes the head and the loss tile by tile
+    (``jax_seqpar.lm_head.fused_lm_head_loss``, with row / vocabulary tiles of
+    ``loss_block_s`` / ``loss_block_v``; None picks its defaults) instead of materialising
+    the logits.
     """
 
     vocab_size: int
@@ -60,6 +71,9 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    fused_loss: bool = True
+    loss_block_s: Optional[int] = None
+    loss_block_v: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -93,6 +107,13 @@ class LlamaConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
         if self.remat not in REMAT_MODES:
             raise ValueError(f"unknown remat={self.remat!r}; choose one of {REMAT_MODES}")
+        if not isinstance(self.fused_loss, bool):
+            raise TypeError(f"fused_loss={self.fused_loss!r} must be a bool")
+        for name in ("loss_block_s", "loss_block_v"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int)
+                                    or val < 1):
+                raise ValueError(f"{name}={val!r} must be a positive int or None")
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +175,9 @@ class Llama(nn.Module):
     ``tokens`` ``[B, S]`` ints and ``segment_ids`` ``[B, S]`` (packed documents) are in
     natural order; logits ``[B, S, vocab]`` are in natural order too, unless
     ``layout_order=True`` (what training uses: ``next_token_loss``), which skips putting
-    them back.  ``mesh=None``: a plain single-device model with the same parameters.
+    them back.  ``return_hidden=True`` returns the final-norm hidden states ``[B, S,
+    d_model]`` instead of the logits (the fused loss applies the head itself; see
+    ``head_weights``).  ``mesh=None``: a plain single-device model with the same parameters.
     """
 
     config: LlamaConfig
@@ -193,7 +216,8 @@ class Llama(nn.Module):
         return jnp.take(x, jnp.asarray(inv), axis=1)
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, layout_order: bool = False):
+    def __call__(self, tokens, segment_ids=None, layout_order: bool = False,
+                 return_hidden: bool = False):
         c, opts = self.config, self.options()
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integer [batch, seq]; got {tokens.dtype} "
@@ -215,6 +239,8 @@ class Llama(nn.Module):
         for i in range(c.num_layers):
             x = block(c, opts, name=f"layer_{i}")(x, segment_ids, positions)
         x = RMSNorm(c.norm_eps, dt, pdt, name="final_norm")(x)
+        if return_hidden:
+            return x if layout_order else self.from_layout(x)
         if c.tie_embeddings:
             logits = embed.attend(x)
         else:
@@ -240,16 +266,36 @@ def shift_targets(tokens, loss_mask=None, segment_ids=None):
     return targets, weights
 
 
+def head_weights(model: Llama, params):
+    """The LM head as ``[d_model, vocab]``: the ``lm_head`` Dense kernel, or the
+    transposed embedding when ``config.tie_embeddings``."""
+    p = params["params"] if "params" in params else params
+    if model.config.tie_embeddings:
+        return p["embed"]["embedding"].T
+    return p["lm_head"]["kernel"]
+
+
 def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=None):
     """Mean next-token cross-entropy and accuracy over the weighted positions.
 
     Targets are shifted in natural order (``shift_targets``), then permuted like the
-    tokens, so the logits never leave layout order.  Returns ``(loss, metrics)`` with
+    tokens, so the hidden states / logits never leave layout order.  With
+    ``config.fused_loss`` the head and the loss run fused (``lm_head.fused_lm_head_loss``,
+    BurstEngine Alg. 3; sequence-sharded over the model's mesh axis); otherwise the
+    ``[B, S, vocab]`` logits are materialised.  Returns ``(loss, metrics)`` with
     ``metrics = {"loss", "accuracy", "tokens"}``.
     """
-    logits = model.apply(params, tokens, segment_ids, layout_order=True).astype(F32)
+    c = model.config
     targets, weights = shift_targets(tokens, loss_mask, segment_ids)
     targets, weights = model.to_layout(targets), model.to_layout(weights)
+    if c.fused_loss:
+        h = model.apply(params, tokens, segment_ids, layout_order=True, return_hidden=True)
+        loss, m = fused_lm_head_loss(h, head_weights(model, params), targets, weights,
+                                     mesh=model.mesh, axis_name=model.axis_name,
+                                     block_s=c.loss_block_s, block_v=c.loss_block_v,
+                                     dtype=c.dtype)
+        return loss, {"loss": loss, "accuracy": m["accuracy"], "tokens": m["tokens"]}
+    logits = model.apply(params, tokens, segment_ids, layout_order=True).astype(F32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     total = jnp.maximum(weights.sum(), 1.0)
