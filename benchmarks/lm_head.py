@@ -225,6 +225,44 @@ def table(rows):
               f"{r.get('loss', float('nan')):>9.5f}")
 
 
+def plot(rows, path):
+    """Time (as a multiple of the 3-matmul floor) and peak memory per variant and shape."""
+    from _util import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    shapes = list(dict.fromkeys((r["S"], r["V"]) for r in rows))
+    names = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(names)
+    for j, v in enumerate(names):
+        xs = [i + j * width for i in range(len(shapes))]
+        got = {(r["S"], r["V"]): r for r in rows if r["variant"] == v}
+        ok = {sv: r for sv, r in got.items() if r.get("status") == "ok"}
+        ax1.bar(xs, [ok.get(sv, {}).get("x_floor") or 0 for sv in shapes], width, label=v,
+                color=f"C{j}")
+        ax2.bar(xs, [(ok.get(sv, {}).get("peak_bytes") or 0) / 2 ** 30 for sv in shapes],
+                width, label=v, color=f"C{j}")
+        for x, sv in zip(xs, shapes):
+            if got.get(sv, {}).get("status") == "oom":
+                for ax in (ax1, ax2):
+                    ax.annotate("OOM", (x, 0.03), xycoords=("data", "axes fraction"),
+                                rotation=90, ha="center", fontsize=7, color=f"C{j}")
+    labels = [f"S={S // 1024}k\nV={V // 1024}k" for S, V in shapes]
+    for ax in (ax1, ax2):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], labels)
+    ax1.axhline(1.15, color="gray", ls=":", label="1.15x floor")
+    ax1.set_ylabel("fwd + bwd time / floor")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("peak memory (GiB)")
+    ax1.legend(fontsize=7, loc="upper left")
+    fig.suptitle("LM head + cross-entropy, d = 4096, bf16, one H200", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
@@ -240,7 +278,15 @@ def main(argv=None):
     p.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                    help="one subprocess per variant (default: on the gpu preset)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--plot", default=None, metavar="JSON",
+                   help="only print the table and draw the PNG of a saved result file")
     args = p.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            rows = json.load(f)["rows"]
+        table(rows)
+        plot(rows, os.path.splitext(args.plot)[0] + ".png")
+        return 0
     if args.worker:
         print("RESULT " + json.dumps(run_variant(json.loads(args.worker))), flush=True)
         return 0
