@@ -31,6 +31,8 @@ Both readings are offered:
 * ``block_v < V``: **two passes over vocabulary tiles** per row tile: lines 3-6 with an
   online (running max) lse, then lines 8-13 with every logits tile computed again.
   **4 matmuls, 8·R·d·V FLOPs** (4/3 of the floor), memory ``block_s x block_v``.
+* Not differentiated (evaluation: the ``custom_vjp``'s primal): lines 1-7 only, one
+  logits matmul (2·R·d·V FLOPs; 4·R·d·V with ``block_v < V``), no gradient tiles.
 
 Why not one logits pass with O(block_s x block_v) memory: ``dh_i = sum_j P_ij W_j^T``
 could be rescaled online like attention's output (the row scale ``exp(m_old - m_new)``
@@ -236,7 +238,8 @@ class _Local:
 
     def row_tile(self, hc, yc, rc, w, dw):
         """One row tile ``H_i`` (Alg. 3 lines 2-13): returns its rows' values, ``dh_i``
-        (float32) and ``dW`` with this tile's contribution added."""
+        (float32) and ``dW`` with this tile's contribution added.  ``dw=None``: the loss
+        alone (lines 2-7; no gradient tile, no gradient matmul)."""
         Vl = w.shape[1]
         bv = Vl if self.cfg.block_v is None else min(self.cfg.block_v, Vl)
         dot_t = lambda g, wt: lax.dot_general(  # noqa: E731  g @ wt.T
@@ -249,6 +252,8 @@ class _Local:
             s = jnp.sum(jnp.exp(z - m[:, None]), axis=1)             # lines 5-6
             m, s, zy, zsum = self.combine(m, s, zy, zsum)
             rows = _Rows(self.cfg, self.V, m, s, zy, zsum, rc)       # line 7
+            if dw is None:
+                return rows, None, None
             g = self.grad_tile(z, rows, yc, self.v0)                 # lines 9-11
             dh = dot_t(g, w)                                         # line 12
             dw = dw + dot_h(g)                                       # line 13
@@ -268,6 +273,8 @@ class _Local:
             init = _compat.vary_like(init, hc, yc, w)
             m, s, zy, zsum = self.combine(*_tiled(Vl, bv, lse_pass, init))
             rows = _Rows(self.cfg, self.V, m, s, zy, zsum, rc)       # line 7
+            if dw is None:
+                return rows, None, None
 
             def grad_pass(start, size, c):                           # lines 8-13
                 dh, dw = c
@@ -291,11 +298,13 @@ def _block_rows(cfg: LMHeadConfig, R: int, Vl: int) -> int:
     return min(bs, R)
 
 
-def _per_device(cfg: LMHeadConfig, V: int, h, w, targets, weights):
-    """Loss, metrics and the cotangent-free gradients of this device's rows.
+def _per_device(cfg: LMHeadConfig, V: int, grads: bool, h, w, targets, weights):
+    """Loss, metrics and (``grads=True``) the cotangent-free gradients of this device's rows.
 
     Returns ``(loss, accuracy, z_loss, tokens, dh, dw, dweights)``; ``dh``/``dweights`` are
     this device's rows, ``dw`` this device's vocabulary columns, already summed over rows.
+    With ``grads=False`` (the loss is not differentiated: evaluation) the gradient tiles
+    and matmuls are skipped and only the first four are returned.
     """
     B, T, d = h.shape
     R, Vl = B * T, w.shape[1]
@@ -321,39 +330,46 @@ def _per_device(cfg: LMHeadConfig, V: int, h, w, targets, weights):
     bs = _block_rows(cfg, R, Vl)
 
     def body(start, size, c):                         # Alg. 3 line 1: row tiles H_i
-        dh_buf, dw, obj, zl, corr = c
+        obj, zl, corr, *g = c
         sl = lambda x: lax.dynamic_slice_in_dim(x, start, size, 0)  # noqa: E731
-        rows, dh, dw = local.row_tile(sl(h2), sl(y), sl(r), wc, dw)
+        rows, dh, dw = local.row_tile(sl(h2), sl(y), sl(r), wc, g[1] if g else None)
         put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype),  # noqa
                                                              start, 0)
-        return (put(dh_buf, dh), dw, put(obj, rows.obj), put(zl, rows.zl),
-                put(corr, rows.correct))
+        out = (put(obj, rows.obj), put(zl, rows.zl), put(corr, rows.correct))
+        return out + ((put(g[0], dh), dw) if g else ())
 
-    init = (_compat.vary_like(jnp.zeros((R, d), h.dtype), h),
-            _compat.vary_like(jnp.zeros((d, Vl), F32), h, w),
-            *(_compat.vary_like(jnp.zeros((R,), F32), h, targets, weights) for _ in range(3)))
-    dh, dw, obj, zl, corr = _tiled(R, bs, body, init)
+    init = tuple(_compat.vary_like(jnp.zeros((R,), F32), h, targets, weights)
+                 for _ in range(3))
+    if grads:
+        init += (_compat.vary_like(jnp.zeros((R, d), h.dtype), h),
+                 _compat.vary_like(jnp.zeros((d, Vl), F32), h, w))
+    obj, zl, corr, *g = _tiled(R, bs, body, init)
     sums = jnp.stack([jnp.sum(r * obj), jnp.sum(r * corr), jnp.sum(r * zl)])
     if row_axes:
         sums = lax.psum(sums, row_axes)
-        dw = lax.psum(dw, row_axes)
     loss = jnp.where(bad, jnp.nan, sums[0])
+    if not grads:
+        return loss, sums[1], sums[2], total
+    dh, dw = g
+    if row_axes:
+        dw = lax.psum(dw, row_axes)
     dweights = jnp.where(valid, (obj - loss) / denom, 0.0).reshape(B, T)
     return (loss, sums[1], sums[2], total, dh.reshape(B, T, d), dw.astype(w.dtype), dweights)
 
 
 # --------------------------------------------------------------------------- programs
 @functools.lru_cache(maxsize=64)
-def _program(cfg: LMHeadConfig, V: int):
-    """The jitted forward (loss, metrics and gradients) for one static configuration."""
-    fn = functools.partial(_per_device, cfg, V)
+def _program(cfg: LMHeadConfig, V: int, grads: bool):
+    """The jitted forward (loss, metrics and, with ``grads``, the gradients) for one static
+    configuration."""
+    fn = functools.partial(_per_device, cfg, V, grads)
     if cfg.mesh is not None:
         b = cfg.batch_axes or None
         seq = cfg.seq_axes if len(cfg.seq_axes) > 1 else cfg.seq_axes[0]
         rows, hid = P(b, seq), P(b, seq, None)
         wspec = P(None, cfg.vocab_axis)
         in_specs = (hid, wspec, rows, rows)
-        out_specs = (P(), P(), P(), P(), hid, wspec, rows)
+        out_specs = (P(), P(), P(), P()) + ((hid, wspec, rows) if grads else ())
         sm = _compat.shard_map(fn, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs)
 
         def fn(h, w, t, wt):  # noqa: F811
@@ -364,11 +380,14 @@ def _program(cfg: LMHeadConfig, V: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(cfg, h, w, targets, weights):
-    return _fused_fwd(cfg, h, w, targets, weights)[0]
+    """Not differentiated (evaluation): lines 1-7 only, 2·R·d·V FLOPs."""
+    loss, acc, zl, tokens = _program(cfg, w.shape[1], False)(h, w, targets, weights)
+    return loss, (acc, zl, tokens)
 
 
 def _fused_fwd(cfg, h, w, targets, weights):
-    loss, acc, zl, tokens, dh, dw, dwt = _program(cfg, w.shape[1])(h, w, targets, weights)
+    loss, acc, zl, tokens, dh, dw, dwt = _program(cfg, w.shape[1], True)(h, w, targets,
+                                                                          weights)
     return (loss, (acc, zl, tokens)), (dh, dw, dwt)
 
 

@@ -152,6 +152,10 @@ def test_vocab_parallel_2d_mesh(block_v):
         h, w, t, wt, C)
     check(got, naive_fn(**EXTRAS)(h, w, t, wt, C), TOL[F32], f"4x2 block_v={block_v}")
     assert got[1][1].sharding.spec == jax.sharding.PartitionSpec(None, "vp")
+    if block_v:   # the loss-only (evaluation) program, sharded the same way
+        loss, _ = jax.jit(lambda h, w: fused_lm_head_loss(
+            h, w, t, wt, mesh=mesh, vocab_axis="vp", block_s=7, block_v=block_v, **EXTRAS))(h, w)
+        assert_close(loss, got[0][0] / C, TOL[F32], "loss-only")
 
 
 def test_llama_fused_matches_unfused():
@@ -233,3 +237,22 @@ def test_shape_errors_name_the_argument():
         fused_lm_head_loss(h, w, t, wt, mesh=mesh, vocab_axis="vp")
     with pytest.raises(ValueError, match="'xp' is not an axis"):
         fused_lm_head_loss(h, w, t, wt, mesh=mesh, axis_name="xp")
+
+
+def test_loss_only_path_skips_the_gradient_matmuls():
+    """Not differentiated (evaluation), the loss runs Alg. 3 lines 1-7 only: one logits
+    matmul instead of three, same loss and metrics."""
+    h, w, t, wt = inputs(10)
+    fn = jax.jit(lambda h, w, t, wt: fused_lm_head_loss(h, w, t, wt, block_s=24, **EXTRAS))
+    loss, m = fn(h, w, t, wt)
+    rloss, rm = reference_lm_head_loss(h, w, t, wt, **EXTRAS)
+    assert_close(loss, rloss, TOL[F32], "loss")
+    for k in ("accuracy", "tokens", "z_loss"):
+        assert_close(m[k], rm[k], TOL[F32], k)
+
+    def dots(f, *args):
+        return jax.jit(f).lower(*args).as_text().count("stablehlo.dot_general")
+
+    one_tile = lambda h, w: fused_lm_head_loss(h, w, t, wt)[0]  # noqa: E731
+    assert dots(one_tile, h, w) == 1
+    assert dots(jax.grad(one_tile, argnums=(0, 1)), h, w) == 3
