@@ -7,7 +7,7 @@ module sets them at import time, before anything imports ``jax``.
 import os
 
 _FLAGS = {
-    # 8 simulated CPU devices for the multi-device tests (DESIGN.md, "Numerics and tests").
+    # 8 simulated CPU devices for the multi-device tests (docs/ARCHITECTURE.md, "Numerics").
     "--xla_force_host_platform_device_count": "8",
     # Compile each module on one thread.  Numerics are unaffected; without it, two
     # pytest-xdist workers on a 2-core machine compile ~2.5x slower, not 2x faster.

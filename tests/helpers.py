@@ -17,7 +17,7 @@ from jax_seqpar import reference_attention
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
-#: Relative (norm-wise) error budgets of DESIGN.md, "Numerics and tests".
+#: Relative (norm-wise) error budgets (docs/ARCHITECTURE.md, "Numerics").
 TOL = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 2e-2}
 
 

@@ -18,7 +18,7 @@ TOL32 = 1e-5
 
 def np_mask(Tq, Tk, *, causal=False, window=None, q_pos=None, kv_pos=None, q_seg=None,
             kv_seg=None, B=2):
-    """Boolean mask ``[B, Tq, Tk]`` from the definitions in DESIGN.md."""
+    """Boolean mask ``[B, Tq, Tk]`` from the definitions in ``jax_seqpar/masks.py``."""
     qp = np.arange(Tq) if q_pos is None else np.asarray(q_pos)
     kp = np.arange(Tk) if kv_pos is None else np.asarray(kv_pos)
     if isinstance(window, int):

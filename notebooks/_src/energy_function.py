@@ -3,7 +3,8 @@
 #
 # Softmax attention of one query is an *expectation*: the query's scores define a probability
 # distribution over the keys, and the output is the mean of the values under it. Tree Attention
-# (Shyam et al., `../shared/papers/tree-attention.txt`, §4-5 and App. C-F) builds a scalar
+# (Shyam et al., *Tree Attention: topology-aware decoding for long-context attention on GPU
+# clusters*, §4-5 and App. C-F) builds a scalar
 # function whose gradient is exactly that mean, and draws the parallel algorithm from it: the
 # function is a log-sum-exp, log-sum-exp is associative, so the sum over a sharded sequence is an
 # all-reduce.

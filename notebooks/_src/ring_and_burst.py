@@ -16,8 +16,8 @@
 #    its transfer), evaluated with the H200 measurements in `benchmarks/RESULTS.md`;
 # 4. **causal load balance**: the work per device of the contiguous, zigzag and striped layouts.
 #
-# Papers (`../shared/papers/`): `burstengine.txt` (§3.1 Eq. 4-8, Alg. 1-2; §3.4 Eq. 11-13),
-# `burstattention.txt`, `distflashattn.txt` (§3.2), `ring-attention-notes-zh.txt` (chunk size).
+# Papers: BurstEngine (Sun et al., §3.1 Eq. 4-8, Alg. 1-2; §3.4 Eq. 11-13), BurstAttention
+# (Sun et al.), DistFlashAttn (Li et al., §3.2), and notes on Ring Attention (chunk size).
 # Eight CPU devices are simulated; the flag must be set before JAX is imported.
 
 # %%
