@@ -35,6 +35,73 @@ def pytest_configure(config):
             f"tests/conftest.py could set XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
 
 
+# --------------------------------------------------------------------------- scheduling
+# ``make test`` runs ``pytest -n 2``.  Two policies, neither of which changes what runs:
+#
+# * tests that share compiled programs or a costly module-scoped fixture form one unit of
+#   work, sent to one worker (the program compiles, the fixture runs, once, not once per
+#   worker); every other test is a unit of its own.  (xdist's ``--dist loadgroup`` would
+#   do this from ``xdist_group`` marks, but it does not group under pytest 9.)
+# * the longest tests are collected first, so that neither worker is left with a long test
+#   at the end while the other is idle.
+
+#: path prefix of a test's node id (file, or file::test) -> unit of work
+GROUPS = {
+    # the 2-process launch is a module-scoped fixture shared by these two tests
+    "test_multiprocess.py::test_ring_attention_two_processes_equals_one": "mp_workers",
+    "test_multiprocess.py::test_training_step_two_processes_equals_one": "mp_workers",
+    # lru_cached jitted losses / compiled programs shared by the tests of each file
+    "test_remat.py": "remat",
+    "test_llama.py": "llama",
+}
+
+#: path prefixes of the longest tests (measured with --durations), longest first
+LONGEST_FIRST = (
+    "test_notebooks.py::test_notebook_executes",
+    "test_multiprocess.py::test_training_example_two_processes_equals_one",
+    "test_multiprocess.py::test_ring_attention_two_processes_equals_one",
+    "test_multiprocess.py::test_training_step_two_processes_equals_one",
+    "test_multiprocess.py::test_demo_under_the_launcher",
+    "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
+    "test_remat.py",
+    "test_llama.py",
+    "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
+    "test_decode_kernel_benchmark.py",
+    "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_xla",
+)
+
+
+def _match(nodeid, prefixes):
+    name = nodeid.rsplit("/", 1)[-1]  # "test_x.py::test_y[param]"
+    for i, prefix in enumerate(prefixes):
+        if name == prefix or name.startswith((prefix + "::", prefix + "[")):
+            return i
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+    rank = {item.nodeid: _match(item.nodeid, LONGEST_FIRST) for item in items}
+    items.sort(key=lambda item: len(LONGEST_FIRST) if rank[item.nodeid] is None
+               else rank[item.nodeid])  # stable: the rest keeps its collection order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (``--dist load``): load scheduling whose units are the groups above."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            i = _match(nodeid, list(GROUPS))
+            return nodeid if i is None else "group:" + GROUPS[list(GROUPS)[i]]
+
+    config.option.loadscopereorder = False  # keep the collection order (longest first)
+    return GroupScheduling(config, log)
+
+
 @pytest.fixture
 def mesh():
     """Factory: ``mesh(G)`` is a 1-D mesh over the first ``G`` devices, axis ``"sp"``."""

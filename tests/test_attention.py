@@ -9,6 +9,7 @@ same bf16 values upcast to float32.
 import functools
 import logging
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_seqpar as jsp
-from helpers import (BF16, F32, assert_close, assert_finite, conditioning_tol,
+from helpers import (BF16, F32, assert_close, conditioning_tol,
                      jax_nn_fwd_bwd, make_cotangent, make_large_qkv, make_mesh, make_qkv,
                      max_abs_score, reference_fwd_bwd, sorted_segments, to_np32, tol,
                      unsorted_segments)
@@ -53,11 +54,8 @@ def cached_mesh(G):
 def check(out, grads, q, k, v, do, seg, *, causal, window, scale=None, large=False,
           jax_nn=True):
     """Compare ``out`` and ``grads`` with the reference and with jax.nn."""
-    dtype = q.dtype
-    assert out.shape == q.shape and out.dtype == dtype
-    for x, g in zip((q, k, v), grads):
-        assert g.shape == x.shape and g.dtype == dtype
-    t = tol(dtype)
+    chex.assert_trees_all_equal_shapes_and_dtypes((out, *grads), (q, q, k, v))
+    t = tol(q.dtype)
     ro, _, rgrads = reference_fwd_bwd(q, k, v, do, seg, causal=causal, window=window,
                                       scale=scale)
     assert_close(out, ro, t, "out vs reference")
@@ -113,16 +111,19 @@ TARGETED = {
 }
 
 
-#: Every axis runs the ring at every G (the two backward schemes alternating) and the
-#: all-gather baseline at two sizes; test_basic runs every variant at every G.
-TARGETED_RUNS = [(1, "ring_kv"), (2, "ring_q"), (4, "ring_kv"), (8, "ring_q"),
-                 (2, "allgather"), (8, "allgather"), (4, "tree"), (8, "tree")]
+#: Every axis runs once under each variant (both ring backwards, all-gather, tree); the ring
+#: sizes alternate between the axes so that each axis meets an 8-device ring and a 1- or
+#: 2-device one, and each variant keeps the sizes it had (ring_kv 1 and 4, ring_q 2 and 8,
+#: all-gather 2 and 8, tree 4 and 8).  test_basic runs every variant at every G.
+TARGETED_RUNS = ([(1, "ring_kv"), (8, "ring_q"), (2, "allgather"), (4, "tree")],
+                 [(4, "ring_kv"), (2, "ring_q"), (8, "allgather"), (8, "tree")])
 
 
-@pytest.mark.parametrize("G,variant", TARGETED_RUNS)
-@pytest.mark.parametrize("case", list(TARGETED))
+@pytest.mark.parametrize("case,G,variant", [
+    (case, G, variant) for i, case in enumerate(TARGETED)
+    for G, variant in TARGETED_RUNS[i % 2]])
 def test_targeted(case, G, variant):
-    """Each axis (GQA, MQA, windows, segments, bf16, large scores) at every ring size."""
+    """Each axis (GQA, MQA, windows, segments, bf16, large scores) under every strategy."""
     strategy, backward = VARIANTS[variant]
     run(G, strategy, backward=backward, **TARGETED[case])
 
@@ -217,9 +218,7 @@ def test_rows_with_no_visible_key_block_mask(G, variant):
                            block_mask=bm)
     out, grads = fn(q, k, v, do, None)
     o = to_np32(out)
-    assert not np.isnan(o).any()
-    for nm, g in zip("qkv", grads):
-        assert_finite(g, f"d{nm}")
+    chex.assert_tree_all_finite((out, grads))
     assert (o[:, 3 * b:4 * b] == 0).all(), "rows without a visible key must give out = 0"
     assert (to_np32(grads[0])[:, 3 * b:4 * b] == 0).all()
     assert (np.abs(o[:, 4 * b:]).sum(-1) > 0).all()
@@ -277,15 +276,21 @@ def test_eager_grad(kind):
         assert_close(g, r, 1e-5, f"d{nm}")
 
 
-def test_eager_call_matches_jit():
-    """``attention`` also works outside ``jit`` (and gives the same numbers)."""
-    mesh = cached_mesh(2)
-    q, k, v = make_qkv(13, B=B, S=S, Hq=HQ, Hkv=1, D=D)
-    seg = sorted_segments(13, B, S)
-    out = jsp.attention(q, k, v, mesh=mesh, causal=True, segment_ids=seg)
-    jit_out, _ = attention_fwd_bwd(mesh, "ring", True, None)(q, k, v, q, seg)
-    assert_finite(out)
-    assert_close(out, jit_out, 1e-6, "eager vs jit")
+class TestJitVariants(chex.TestCase):
+    """``attention`` works with and without ``jit`` (and gives the same numbers)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_attention(self):
+        mesh = cached_mesh(2)
+        q, k, v = make_qkv(13, B=B, S=S, Hq=HQ, Hkv=1, D=D)
+        seg = sorted_segments(13, B, S)
+        out = self.variant(lambda q, k, v, seg: jsp.attention(
+            q, k, v, mesh=mesh, causal=True, segment_ids=seg))(q, k, v, seg)
+        chex.assert_trees_all_equal_shapes_and_dtypes(out, q)
+        jit_out, _ = attention_fwd_bwd(mesh, "ring", True, None)(q, k, v, q, seg)
+        assert_close(out, jit_out, 1e-6, f"{self.variant.type} vs the jitted fwd+bwd")
+        ro, _, _ = reference_fwd_bwd(q, k, v, q, seg, causal=True)
+        assert_close(out, ro, 1e-5, f"{self.variant.type} vs reference")
 
 
 def test_eager_calls_reuse_the_compiled_program(caplog):
@@ -295,6 +300,6 @@ def test_eager_calls_reuse_the_compiled_program(caplog):
     jsp.attention(q, k, v, mesh=mesh, causal=True)  # warm-up: compiles
     with caplog.at_level(logging.WARNING), jax.log_compiles(True):
         out = jsp.attention(q, k, v, mesh=mesh, causal=True)
-    assert_finite(out)
+    chex.assert_tree_all_finite(out)
     compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert not compiles, compiles[0][:200]

@@ -52,7 +52,9 @@ def test_backward_schemes_match_reference(G, Hq, Hkv, causal, window, with_seg, 
                                           causal=causal, window=window)
     tol = helpers.tol(dtype)
     grads = {}
-    for backward in ("kv", "q", "auto"):
+    # "auto" resolves to one of the two (test_auto_sends_the_smaller_volume checks which);
+    # its numerics are checked on the 8-device cases, MHA (-> "q") and MQA (-> "kv").
+    for backward in ("kv", "q", "auto") if G == 8 else ("kv", "q"):
         _, grads[backward] = _grad_fn(G, backward, causal, window, with_seg)(q, k, v, do, seg)
         for name, g, r in zip(("dq", "dk", "dv"), grads[backward], ref):
             assert g.dtype == dtype

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,8 +67,24 @@ def test_decoders_match_reference(name, G, B, Tq, causal, dtype, lengths):
     q, k, v = _inputs(G + B + Tq, B, Tq, dtype=dtype)
     L = jnp.asarray(lengths, jnp.int32)
     out = _jitted(name, G, causal)(q, k, v, L)
-    assert out.dtype == dtype and out.shape == q.shape
+    chex.assert_trees_all_equal_shapes_and_dtypes(out, q)
     helpers.assert_close(out, _reference(q, k, v, lengths, causal), helpers.tol(dtype), name)
+
+
+class TestJitVariants(chex.TestCase):
+    """``tree_decode`` works with and without ``jit`` (ragged lengths, causal, GQA)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_tree_decode(self):
+        q, k, v = _inputs(31, 2, 2)
+        lengths = [64, 21]
+        mesh = helpers.make_mesh(4)
+        out = self.variant(lambda q, k, v, L: jsp.tree_decode(
+            q, k, v, mesh=mesh, kv_lengths=L, causal=True))(q, k, v,
+                                                            jnp.asarray(lengths, jnp.int32))
+        chex.assert_trees_all_equal_shapes_and_dtypes(out, q)
+        helpers.assert_close(out, _reference(q, k, v, lengths, True), 1e-5,
+                             f"tree_decode {self.variant.type}")
 
 
 @pytest.mark.parametrize("G,B,Tq,causal", [(1, 1, 1, True), (4, 3, 4, True), (8, 3, 1, False)])
@@ -134,7 +151,8 @@ def test_length_zero_gives_zeros():
     q, k, v = _inputs(11, 2, 1)
     out = jsp.tree_decode(q, k, v, mesh=helpers.make_mesh(4),
                           kv_lengths=jnp.asarray([0, 64], jnp.int32))
-    assert np.all(np.asarray(out[0]) == 0) and np.isfinite(np.asarray(out)).all()
+    chex.assert_tree_all_finite(out)
+    assert np.all(np.asarray(out[0]) == 0)
 
 
 @pytest.mark.parametrize("G", [2, 4, 8])
@@ -166,7 +184,7 @@ def test_two_dimensional_mesh_matches_one_dimensional():
     out2 = jsp.tree_decode(q, k, v, mesh=mesh2, axis_name=("node", "gpu"), kv_lengths=L,
                            causal=True)
     out1 = jsp.tree_decode(q, k, v, mesh=helpers.make_mesh(8), kv_lengths=L, causal=True)
-    np.testing.assert_allclose(np.asarray(out2), np.asarray(out1), rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(out2, out1, rtol=1e-6, atol=1e-6)
 
 
 def test_decode_errors():

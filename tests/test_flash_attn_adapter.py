@@ -7,6 +7,7 @@ sides, lse layout, dtypes, what it refuses -- not the CUDA kernels themselves, w
 ``benchmarks/kernels.py`` compares with the reference on a GPU when the package is present.
 """
 
+import functools
 import sys
 import types
 
@@ -37,6 +38,10 @@ def _band(Tq, Tk, window):
     return jnp.asarray(ok)
 
 
+_STATIC = ("softmax_scale", "is_causal", "window_size_left", "window_size_right")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)  # one program per case, not per op
 def _stand_in_fwd(q, k, v, *, softmax_scale, is_causal, window_size_left, window_size_right):
     assert not is_causal and q.dtype in (jnp.bfloat16, jnp.float16)
     window_size = (window_size_left, window_size_right)
@@ -49,6 +54,7 @@ def _stand_in_fwd(q, k, v, *, softmax_scale, is_causal, window_size_left, window
     return out.astype(q.dtype), lse
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _stand_in_bwd(dout, q, k, v, out, lse, *, softmax_scale, is_causal, window_size_left,
                   window_size_right):
     """FlashAttention-2's backward from the *given* out and lse (as the real kernel)."""

@@ -9,6 +9,7 @@ when ``permuted=True``; their outputs are put back in natural order to compare.
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from helpers import F32, assert_close, sorted_segments
+from helpers import F32, assert_close, assert_trees_close, sorted_segments
 from jax_seqpar import reference_attention
 from jax_seqpar.layers import (SeqParallelAttention, SeqParallelOptions, apply_rope,
                                make_attention_fn)
@@ -84,10 +85,7 @@ def check_against_plain(out, grads_p, grad_x, params, x, ct, seg, causal, window
     ro, (rgp, rgx) = plain_fwd_bwd(params, x, ct, seg, causal, window)
     assert_close(out, ro, TOL, f"{what}: out")
     assert_close(grad_x, rgx, TOL, f"{what}: dx")
-    flat, _ = jax.tree_util.tree_flatten_with_path(rgp)
-    got = dict(jax.tree_util.tree_flatten_with_path(grads_p)[0])
-    for path, ref in flat:
-        assert_close(got[path], ref, TOL, f"{what}: d{jax.tree_util.keystr(path)}")
+    assert_trees_close(grads_p, rgp, TOL, f"{what}: dparams")
 
 
 # ------------------------------------------------------------------ Linen
@@ -172,8 +170,8 @@ def test_nnx_and_linen_share_parameter_shapes():
     linen = SeqParallelAttention(num_heads=HQ, head_dim=D, num_kv_heads=HKV)
     params = linen.init(jax.random.key(0), jnp.zeros((1, 8, DM)))["params"]
     m = spnnx.SeqParallelAttention(DM, HQ, D, num_kv_heads=HKV, rngs=nnx.Rngs(0))
-    for name in params:
-        assert getattr(m, name).kernel[...].shape == params[name]["kernel"].shape, name
+    chex.assert_trees_all_equal_shapes(
+        params, {name: {"kernel": getattr(m, name).kernel[...]} for name in params})
 
 
 # ------------------------------------------------------------------ RoPE
@@ -209,6 +207,7 @@ def test_attention_fn_in_linen_multihead_attention():
     lr, gr = jax.jit(jax.value_and_grad(loss(ref, causal_mask)))(params)
     lo, go = jax.jit(jax.value_and_grad(loss(ours, None)))(params)
     assert_close(lo, lr, TOL, "loss")
+    chex.assert_trees_all_equal_shapes_and_dtypes(go, gr)
     for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(go)[0],
                                  jax.tree_util.tree_flatten_with_path(gr)[0]):
         name = jax.tree_util.keystr(path)

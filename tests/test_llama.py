@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from helpers import assert_close, sorted_segments
+from helpers import assert_close, assert_trees_close, sorted_segments
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss, shift_targets
 
 B, S = 2, 64
@@ -50,9 +50,7 @@ def compare_with_single_device(model, seg=None, what=""):
     (rloss, rm), rgrads = loss_and_grad(ref)(params, toks, seg)
     assert_close(loss, rloss, TOL, f"{what}: loss")
     assert float(m["tokens"]) == float(rm["tokens"])
-    for (path, g), (_, rg) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                                  jax.tree_util.tree_flatten_with_path(rgrads)[0]):
-        assert_close(g, rg, TOL, f"{what}: d{jax.tree_util.keystr(path)}")
+    assert_trees_close(grads, rgrads, TOL, f"{what}: dparams")
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -50,14 +50,26 @@ def run_launcher(*args, timeout=120):
     return r.returncode, r.stdout, r.stderr
 
 
-def launch_worker(script, out, *, timeout=100):
+#: Both workers in one launch (one start-up of the 2 processes for the two tests); the
+#: second ``initialize()`` returns the first one's info, as mp_worker_attention checks.
+_BOTH_WORKERS = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                 "import mp_worker_attention as a, mp_worker_train as t; "
+                 "sys.exit(a.main(sys.argv[2]) or t.main(sys.argv[3]))")
+
+
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    """``{"att": ..., "train": ...}``: what process 0 of the 2-process launch wrote."""
+    out = tmp_path_factory.mktemp("mp")
+    timeout = 150
     code, out_text, err_text = run_launcher(
         "--num-processes", 2, "--devices-per-process", 4, "--timeout", timeout, "--",
-        sys.executable, TESTS / script, out, timeout=timeout + 20)
+        sys.executable, "-c", _BOTH_WORKERS, TESTS, out / "att.npz", out / "train.npz",
+        timeout=timeout + 20)
     assert code == 0, f"launch exited {code}\n{out_text}\n{err_text}"
     for p in (0, 1):  # both processes joined one job of 8 devices
         assert f"[p{p}] process {p} of 2: 4 of 8 cpu devices" in out_text, out_text
-    return dict(np.load(out))
+    return {name: dict(np.load(out / f"{name}.npz")) for name in ("att", "train")}
 
 
 def _report(rows):
@@ -72,11 +84,11 @@ def _diff(a, b):
 
 
 # --------------------------------------------------------------------------- attention
-def test_ring_attention_two_processes_equals_one(tmp_path):
+def test_ring_attention_two_processes_equals_one(worker_results):
     """Ring attention (plain, causal contiguous, causal zigzag; both backwards) across
     2 processes x 4 devices: outputs and gradients equal one process on 8 devices and
     the dense reference."""
-    mp = launch_worker("mp_worker_attention.py", tmp_path / "att.npz")
+    mp = worker_results["att"]
     assert int(mp["process_count"]) == 2 and int(mp["device_count"]) == 8
     sp = att_worker.run(make_mesh(8))
     q, k, v, do = map(jnp.asarray, att_worker.host_inputs())
@@ -106,11 +118,11 @@ def _dense_step():
             **{f"grads/{k}": np.asarray(x) for k, x in grads.items()}}
 
 
-def test_training_step_two_processes_equals_one(tmp_path):
+def test_training_step_two_processes_equals_one(worker_results):
     """One AdamW step of a small attention model (ring, causal, zigzag) across 2 processes
     x 4 devices: loss, gradients and updated parameters equal one process on 8 devices
     and a dense single-device step."""
-    mp = launch_worker("mp_worker_train.py", tmp_path / "train.npz")
+    mp = worker_results["train"]
     assert int(mp["process_count"]) == 2 and not mp["tokens_fully_addressable"]
     sp = train_worker.run(make_mesh(8))
     dense = _dense_step()

@@ -6,6 +6,7 @@ multiple of the block, more programs than visible blocks, rows that see nothing.
 The compiled GPU path is checked by ``benchmarks/decode_kernel.py`` (RESULTS.md).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +65,8 @@ def test_matches_reference(name):
     kv_seg = jnp.asarray(np.arange(Tk)[None] < lengths[:, None], jnp.int32) if ragged else None
     q_seg = None if kv_seg is None else jnp.ones((B, Tq), jnp.int32)
     o, lse = _run(PallasDecodeKernel(config), q, k, v, q_pos, kv_pos, mask, q_seg, kv_seg)
-    assert o.shape == q.shape and o.dtype == F32 and lse.shape == (B, Hq, Tq)
+    chex.assert_shape([o, lse], [q.shape, (B, Hq, Tq)])
+    chex.assert_type(o, F32)
     ro, rlse = _reference_rows(q, k, v, q_pos, kv_pos, kv_seg, mask)
     assert_close(o, ro, tol(dtype), "o")
     assert_lse_close(lse, rlse, tol(dtype))
@@ -79,7 +81,7 @@ def test_rows_that_see_no_key():
                   jnp.ones((B, 1), jnp.int32), kv_seg)
     o, lse = to_np32(o), to_np32(lse)
     assert np.isneginf(lse[1]).all() and (o[1] == 0).all()
-    assert np.isfinite(lse[0]).all() and np.isfinite(o).all()
+    chex.assert_tree_all_finite((lse[0], o))
 
 
 def test_backward_goes_through_xla_decode():

@@ -8,6 +8,7 @@ exercised by ``benchmarks/kernels.py`` (results in benchmarks/RESULTS.md).
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,11 +87,11 @@ def test_fwd_bwd_against_reference(case):
     ro, rlse, rgrads = reference_fwd_bwd(q, k, v, do, qs, ks, qp, kp, causal=causal,
                                          window=window, scale=D ** -0.5)
     t = _tol(dtype)
-    assert o.dtype == F32 and lse.dtype == F32 and lse.shape == (B, Hq, Tq)
+    chex.assert_type([o, lse], F32)
+    chex.assert_shape(lse, (B, Hq, Tq))
     assert_close(o, ro, t, "out")
     assert_lse_close(lse, rlse, t)
     for name, g, r in zip("qkv", grads, rgrads):
-        assert g.shape == r.shape
         assert_close(g, r, t, f"d{name}")
     if pos == "masked_rows":  # rows that see nothing: o = 0, lse = -inf, dq = 0, no NaN
         assert np.isneginf(to_np32(lse)[:, :, :20]).all()

@@ -4,6 +4,7 @@ The numpy oracle below is float64 and builds its mask from explicit index
 inequalities, independently of ``jax_seqpar.masks``.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,8 +86,8 @@ def test_reference_matches_jax_nn_and_numpy(name):
 
     out, lse, grads = reference_fwd_bwd(q, k, v, do, seg, causal=causal, window=window,
                                         scale=scale)
-    assert out.dtype == F32 and lse.dtype == F32
-    assert out.shape == q.shape and lse.shape == (B, Hq, S)
+    chex.assert_type([out, lse], F32)
+    chex.assert_shape([out, lse], [q.shape, (B, Hq, S)])
 
     # jax.nn.dot_product_attention, segments as a boolean [B, 1, T, S] mask.
     jout, jgrads = jax_nn_fwd_bwd(q, k, v, do, seg, causal=causal, window=window, scale=scale)
@@ -146,8 +147,7 @@ def _check_fully_masked(out, lse, grads, dead):
     assert dead.any() and not dead.all(), "the test needs both dead and live rows"
     for nm, x in (("out", out), ("lse", lse)):
         assert not np.isnan(x).any(), f"{nm} has NaN"
-    for nm, g in zip("qkv", grads):
-        assert np.isfinite(to_np32(g)).all(), f"d{nm} not finite"
+    chex.assert_tree_all_finite(grads)
     np.testing.assert_array_equal(np.isneginf(lse), dead)
     dead_out = np.transpose(dead, (0, 2, 1))  # [B, Tq, Hq]
     assert (out[dead_out] == 0).all(), "fully masked rows must give out = 0"

@@ -5,6 +5,7 @@ Checked against the dense float32 reference with key blocks that do not divide t
 decoding), segment ids, GQA/MQA, large scores and rows that see no key.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,7 +60,8 @@ def test_forward_matches_reference(name):
     q_seg = None if kv_seg is None else jnp.ones((B, Tq), jnp.int32)
     o, lse = _run(XlaDecodeKernel(block_k=bk), q, k, v, q_pos, kv_pos, MaskSpec(causal=causal),
                   q_seg, kv_seg)
-    assert o.shape == q.shape and o.dtype == F32 and lse.shape == (B, Hq, Tq)
+    chex.assert_shape([o, lse], [q.shape, (B, Hq, Tq)])
+    chex.assert_type(o, F32)
     ro, rlse = _reference_rows(q, k, v, q_pos, kv_pos, kv_seg, causal)
     assert_close(o, ro, tol(dtype), "o")
     assert_lse_close(lse, rlse, tol(dtype))
@@ -92,7 +94,7 @@ def test_rows_that_see_no_key_are_zero_with_minus_inf_lse():
                   kv_seg)
     o, lse = to_np32(o), to_np32(lse)
     assert np.isneginf(lse[1]).all() and (o[1] == 0).all()
-    assert np.isfinite(lse[0]).all() and np.isfinite(o).all()
+    chex.assert_tree_all_finite((lse[0], o))
 
 
 def test_backward_is_the_xla_kernels_with_the_same_blocks():

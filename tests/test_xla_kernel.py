@@ -6,12 +6,13 @@ non-contiguous vectors (permutations, zigzag-like chunk pairs), as a ring step s
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (BF16, F32, LARGE_QK_SCALE, assert_close, assert_finite, assert_lse_close,
+from helpers import (BF16, F32, LARGE_QK_SCALE, assert_close, assert_lse_close,
                      conditioning_tol, make_cotangent, make_large_qkv, make_qkv,
                      max_abs_score, reference_fwd_bwd, sorted_segments, to_np32, tol,
                      unsorted_segments)
@@ -87,15 +88,16 @@ def run_case(*, Hq=4, Hkv=4, Tq=T, Tk=T, pos="arange", causal=False, window=None
         q_seg, kv_seg = unsorted_segments(seed, B, Tq), unsorted_segments(seed + 1, B, Tk)
     fwd, bwd = kernel_fns(block_q, block_k, causal, window, scale)
     o, lse = fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    assert o.shape == q.shape and o.dtype == F32
-    assert lse.shape == (B, Hq, Tq) and lse.dtype == F32
+    chex.assert_shape([o, lse], [q.shape, (B, Hq, Tq)])
+    chex.assert_type([o, lse], F32)
     grads = bwd(q, k, v, o.astype(dtype), lse, do, q_pos, kv_pos, q_seg, kv_seg, None)
     ro, rlse, rgrads = reference_fwd_bwd(q, k, v, do, q_seg, kv_seg, q_pos, kv_pos,
                                          causal=causal, window=window, scale=scale)
     assert_close(o, ro, t, "o")
     assert_lse_close(lse, rlse, t)
     for nm, g, rg in zip("qkv", grads, rgrads):
-        assert g.shape == rg.shape and g.dtype == F32, (nm, g.shape, g.dtype)
+        chex.assert_shape(g, rg.shape)
+        chex.assert_type(g, F32)
         assert_close(g, rg, gtol, f"d{nm}")
     return dict(q=q, k=k, v=v, do=do, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg,
                 o=o, lse=lse, grads=grads, ro=ro, rlse=rlse)
@@ -151,8 +153,7 @@ def test_fully_masked_rows_causal_positions(dtype):
     o32 = to_np32(o)
     assert not np.isnan(o32).any() and not np.isnan(to_np32(lse)).any()
     assert (o32[:, :40] == 0).all()
-    for nm, g in (("dq", dq), ("dk", dk), ("dv", dv)):
-        assert_finite(g, nm)
+    chex.assert_tree_all_finite((dq, dk, dv))
     assert (to_np32(dq)[:, :40] == 0).all()
     ro, rlse, rg = reference_fwd_bwd(q, k, v, do, None, None, q_pos, kv_pos, causal=True)
     t = tol(dtype)
@@ -176,8 +177,7 @@ def test_fully_masked_rows_segments_inside_visible_tiles():
     ro, rlse, rg = reference_fwd_bwd(q, k, v, do, q_seg, kv_seg, q_pos, kv_pos)
     dead = np.broadcast_to((np.asarray(q_seg) == 2)[:, None], lse.shape)
     np.testing.assert_array_equal(_dead_rows(lse), dead)
-    for nm, g in zip("qkv", grads):
-        assert_finite(g, f"d{nm}")
+    chex.assert_tree_all_finite(grads)
     assert (to_np32(o)[np.transpose(dead, (0, 2, 1))] == 0).all()
     assert_close(o, ro, 1e-5, "o")
     assert_lse_close(lse, rlse, 1e-5)
@@ -227,8 +227,7 @@ def test_fully_masked_tiles_are_never_computed(causal, window, q_range, poison, 
     fwd, bwd = kernel_fns(block_q, 24, causal, window, scale)
     o, lse = fwd(q, kn, vn, q_pos, kv_pos, None, None)
     dq, dk, dv = bwd(q, kn, vn, o, lse, do, q_pos, kv_pos, None, None, None)
-    for nm, x in (("o", o), ("lse", lse), ("dq", dq)):
-        assert_finite(x, nm)
+    chex.assert_tree_all_finite((o, lse, dq))
     # Gradients of the skipped keys are exactly zero, the others finite.
     for nm, g in (("dk", dk), ("dv", dv)):
         g = to_np32(g)
@@ -253,7 +252,8 @@ def test_precomputed_delta_gives_same_grads_and_is_used():
     args = (r["q"], r["k"], r["v"], r["o"], r["lse"], r["do"], r["q_pos"], r["kv_pos"],
             None, None)
     delta = attention_delta(r["o"], r["do"])
-    assert delta.shape == (B, 4, T) and delta.dtype == F32
+    chex.assert_shape(delta, (B, 4, T))
+    chex.assert_type(delta, F32)
     expect = np.einsum("bqhd,bqhd->bhq", to_np32(r["do"]), to_np32(r["o"]))
     assert_close(delta, expect, 1e-6, "delta")
     with_delta = bwd(*args, delta)
