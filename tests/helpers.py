@@ -43,8 +43,8 @@ def to_np32(x) -> np.ndarray:
 def assert_close(actual, expected, tol_, what="array"):
     """Shapes equal, ``actual`` finite, norm-wise relative error within ``tol_``.
 
-    The budgets (docs/ARCHITECTURE.md, "Numerics") are norm-wise (``rel_err``), not elementwise, so only the
-    shape and finiteness checks are chex's.
+    The budgets (docs/ARCHITECTURE.md, "Numerics") are norm-wise (``rel_err``), not
+    elementwise, so only the shape and finiteness checks are chex's.
     """
     actual, expected = to_np32(actual), to_np32(expected)
     chex.assert_equal_shape([actual, expected], custom_message=what)
