@@ -4,7 +4,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import tomllib
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
