@@ -47,6 +47,8 @@ import numpy as np  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel  # noqa: E402
+from jax_seqpar.kernels import PallasMgpuKernel  # noqa: E402
+from jax_seqpar.kernels.pallas_mgpu import is_hopper  # noqa: E402
 from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
@@ -64,6 +66,8 @@ def _rel(a, b):
 
 def backends(on_gpu: bool):
     out = {"xla": XlaKernel(), "pallas": PallasKernel()}
+    if on_gpu and is_hopper():
+        out["pallas_mgpu"] = PallasMgpuKernel()
     try:
         from jax_seqpar.kernels.flash_attn import FlashAttnKernel
         fa = FlashAttnKernel()
@@ -197,9 +201,8 @@ def _cudnn_fn(causal, scale):
     return f
 
 
-def time_backend(name, kern, B, H, S, D, causal, dtype=jnp.bfloat16, repeats=5):
-    ks = jax.random.split(jax.random.PRNGKey(S + D), 4)
-    q, k, v, do = (jax.random.normal(x, (B, S, H, D), dtype) for x in ks)
+def _backend_fns(name, kern, S, D, causal):
+    """Jitted ``(forward, forward+backward)`` of one backend on ``[B, S, H, D]`` inputs."""
     scale = D ** -0.5
     if name == "cudnn":
         f = _cudnn_fn(causal, scale)
@@ -212,8 +215,17 @@ def time_backend(name, kern, B, H, S, D, causal, dtype=jnp.bfloat16, repeats=5):
         pos = jnp.arange(S, dtype=jnp.int32)
         g = make_fn(kern, MaskSpec(causal=causal), scale)
         f = lambda q, k, v: g(q, k, v, pos, pos)  # noqa: E731
-    fwd = jax.jit(f)
-    fb = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    return jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+
+
+def _inputs(B, H, S, D, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(S + D), 4)
+    return tuple(jax.random.normal(x, (B, S, H, D), dtype) for x in ks)
+
+
+def time_backend(name, kern, B, H, S, D, causal, dtype=jnp.bfloat16, repeats=5):
+    q, k, v, do = _inputs(B, H, S, D, dtype)
+    fwd, fb = _backend_fns(name, kern, S, D, causal)
     tf = time_fn(fwd, q, k, v, repeats=repeats)["median_s"]
     tb = time_fn(fb, q, k, v, do, repeats=repeats)["median_s"]
     return tf, tb, fwd(q, k, v), fb(q, k, v, do)
@@ -247,6 +259,47 @@ def bench(kernels, sizes, dims, rate):
                 r["rel_out_vs_cudnn"] = _rel(o, o0)
                 r["rel_grads_vs_cudnn"] = max(_rel(a, b) for a, b in zip(g, g0))
         del outs
+    return rows
+
+
+def pair(kernels, sizes, dims, rounds=30):
+    """Forward and forward+backward of cuDNN and each backend, timed in rotation (one call
+    of each per round, the order shifted every round) so that clock drift hits all alike;
+    medians and the median of the per-round ratios to cuDNN (sequential rounds of 2-ms
+    kernels were seen to drift by 10-15% between runs)."""
+    rows = []
+    names = ["cudnn"] + list(kernels)
+    for S, D, causal in itertools.product(sizes, dims, (False, True)):
+        q, k, v, do = _inputs(1, 16, S, D)
+        fl = attn_flops(1, 16, S, D, causal)
+        fns = {}
+        for n in names:
+            f, fb = _backend_fns(n, kernels.get(n), S, D, causal)
+            fns[(n, "fwd")] = (f, (q, k, v))
+            fns[(n, "fwdbwd")] = (fb, (q, k, v, do))
+        for f, a in fns.values():  # compile and warm up
+            jax.block_until_ready(f(*a))
+            jax.block_until_ready(f(*a))
+        keys = list(fns)
+        ts = {key: [] for key in keys}
+        for r in range(rounds):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                f, a = fns[key]
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*a))
+                ts[key].append(time.perf_counter() - t0)
+        for n in names:
+            row = dict(S=S, D=D, causal=causal, kernel=n, rounds=rounds)
+            for ph, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
+                t = np.array(ts[(n, ph)])
+                row[f"{ph}_ms"] = 1e3 * float(np.median(t))
+                row[f"{ph}_tflops"] = mult * fl / float(np.median(t)) / 1e12
+                row[f"{ph}_vs_cudnn"] = float(np.median(np.array(ts[("cudnn", ph)]) / t))
+            rows.append(row)
+            print(f"pair S={S:6d} D={D:3d} causal={causal!s:5s} {n:12s} fwd "
+                  f"{row['fwd_tflops']:6.1f} TFLOP/s ({row['fwd_vs_cudnn']:.3f}x cuDNN)  "
+                  f"fwd+bwd {row['fwdbwd_tflops']:6.1f} ({row['fwdbwd_vs_cudnn']:.3f}x)",
+                  flush=True)
     return rows
 
 
@@ -325,6 +378,9 @@ def main():
                         "block_k, warps, stages, then the same four for the backward)")
     p.add_argument("--sizes", default="4096,16384,32768", help="sequence lengths for bench")
     p.add_argument("--bench-dims", default="64,128", help="head dims for bench")
+    p.add_argument("--rounds", type=int, default=30, help="pair: timing rounds")
+    p.add_argument("--bench-kernels", default=None,
+                   help="backends for bench besides cuDNN (default: all available)")
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     phases = (args.phases or ("check,sweep,bench,ring" if on_gpu else "check")).split(",")
@@ -372,6 +428,8 @@ def main():
         for D, cfg in tuned.items():
             kerns[f"pallas_D{D}_tuned"] = PallasKernel(config=cfg)
         kerns["xla"] = kernels["xla"]
+        if args.bench_kernels:
+            kerns = {n: k for n, k in kerns.items() if n in args.bench_kernels.split(",")}
         result["bench"] = []
         for S in [int(x) for x in args.sizes.split(",")]:
             for D in [int(x) for x in args.bench_dims.split(",")]:
@@ -379,6 +437,12 @@ def main():
                       or n == f"pallas_D{D}_tuned"}
                 result["bench"] += bench(ks, [S], [D], rate)
                 save_json(result, path)
+    if "pair" in phases:
+        names = (args.bench_kernels or "pallas_mgpu,pallas").split(",")
+        result["pair"] = pair({n: kernels[n] for n in names if n in kernels},
+                              [int(x) for x in args.sizes.split(",")],
+                              [int(x) for x in args.bench_dims.split(",")], args.rounds)
+        save_json(result, path)
     print("CHECKS:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

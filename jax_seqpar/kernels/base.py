@@ -58,15 +58,19 @@ TILE_GENERAL = "general"
 TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
 
 #: ``kernel="auto"``: backends to try first, fastest first, per (platform, tile kind).
-#: Measured on H200s, JAX 0.11.2, bf16, B=1, H=16, D=128, S=16k (2026-11-22,
-#: benchmarks/RESULTS.md): cuDNN forward 564 TFLOP/s (531 causal), forward+backward
-#: 579 (563); the Pallas (Triton) kernel 413 (314) and 368 (319); the xla kernel is
-#: 10-15x slower than Pallas.  cuDNN cannot read positions, so it serves dense and
-#: aligned tiles only; general tiles go to Pallas.  Backends not listed follow by priority.
+#: Measured on one H200, JAX 0.11.2, bf16, B=1, H=16, S=16k, D=128, timed in rotation
+#: (2026-11-23, benchmarks/RESULTS.md, "Hopper kernel"), TFLOP/s forward (causal) and
+#: forward + backward (causal): cuDNN 559 (471) and 566 (513); the Mosaic GPU kernel
+#: ``pallas_mgpu`` 551 (497) and 492 (481), i.e. 0.99x (1.08x) and 0.87x (0.93x)
+#: cuDNN; the Triton kernel ``pallas`` 382 (289) and 342 (322); the xla kernel is
+#: 10-15x slower than Triton.  cuDNN cannot read positions, so it serves dense and
+#: aligned tiles only, where its forward + backward is the fastest; general tiles go to
+#: ``pallas_mgpu`` on Hopper (it refuses other GPUs and float32), then to Triton.
+#: Backends not listed follow by priority.
 AUTO_ORDER: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("gpu", TILE_DENSE): ("cudnn", "pallas", "xla"),
-    ("gpu", TILE_ALIGNED): ("cudnn", "pallas", "xla"),
-    ("gpu", TILE_GENERAL): ("pallas", "xla"),
+    ("gpu", TILE_DENSE): ("cudnn", "pallas_mgpu", "pallas", "xla"),
+    ("gpu", TILE_ALIGNED): ("cudnn", "pallas_mgpu", "pallas", "xla"),
+    ("gpu", TILE_GENERAL): ("pallas_mgpu", "pallas", "xla"),
 }
 
 

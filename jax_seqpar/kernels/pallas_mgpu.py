@@ -1,0 +1,345 @@
+"""Hopper attention tiles in Pallas through the Mosaic GPU lowering (``pallas_mgpu``).
+
+The forward follows FlashAttention-3 (Shah et al., 2024, Alg. 1 and §3.1-3.2), run over
+the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``):
+
+* one CTA per (query block of ``2 * block_q`` rows, query head, batch row), three
+  warpgroups: a **producer** that only issues TMA copies of the visible K/V blocks into a
+  ``num_stages``-deep shared-memory ring, and two **consumers** that own ``block_q`` query
+  rows each and run ``S = Q K^T`` and ``O += P V`` on the tensor cores (``wgmma``) with the
+  online softmax of FlashAttention-2 Alg. 1, lines 6-10, in float32 between them;
+* **ping-pong** (FA3 §3.1): a two-party barrier makes one consumer's softmax run while
+  the other's matrix products occupy the tensor cores; the producer gives its registers
+  to the consumers (``set_max_registers``);
+* the key blocks a CTA visits are entries ``2 .. 2 + count`` of its tile-list row, the
+  ``n_full`` fully visible ones first: the consumers run them without mask code, then
+  the partially visible ones with the mask evaluated on **global positions** (query
+  positions per row, key positions per column, segment ids, padded keys), so one kernel
+  serves every ring step, layout (zigzag, striped), window and packed batch;
+* CTAs are launched **most tiles first** (a permutation of the query blocks by their
+  tile count), so under a causal mask the last wave is short rows, not long ones;
+* rows that see no key give ``o = 0`` and ``lse = -inf`` (the running max is replaced
+  by 0 while it is ``-inf``, so no ``-inf - -inf``).
+
+``o`` is returned in the input dtype (as cuDNN does), ``lse`` in float32, natural log.
+Inputs must be bf16 or f16 (the tensor-core path); float32 is refused so that
+``kernel="auto"`` hands it to the Triton kernel.  The backward is ``pallas_mgpu_bwd``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_seqpar._compat import kernel_io
+from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
+from jax_seqpar.kernels.pallas_common import _pad_to, default_config, tile_lists
+from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
+from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
+from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
+    DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
+    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes)
+from jax_seqpar.masks import MaskSpec
+
+# --------------------------------------------------------------------------- forward
+def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec,
+              scale: float, Tk: int, masked: bool, config: MgpuConfig):
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+
+    B, Lq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    g = Hq // Hkv
+    dtype = q.dtype
+    bq, bk, stages = config.block_q, config.block_kv, config.num_stages
+    has_seg = q_seg is not None
+    c = scale * LOG2E
+    pad_keys = Tk % bk != 0
+    ROW = plgpu.Layout.WGMMA.reduce(1)
+    COL = plgpu.Layout.WGMMA.reduce(0)
+    WGMMA = plgpu.Layout.WGMMA
+
+    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
+               kvseg_ref, o_ref, lse_ref, scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+            (k_free, v_free), sched = scoped
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta = order_ref[b, lax.axis_index("q_seq")]
+        count = tbl_ref[b, cta, 0]
+        n_full = tbl_ref[b, cta, 1] if masked else count
+
+        def rendezvous():  # the two consumers meet: FA3's ping-pong schedule barrier
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo_smem2.at[wg]
+            row0 = cta * (2 * bq) + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            if masked:
+                qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
+                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
+
+            def apply_mask(s, t):
+                start = tbl_ref[b, cta, t + 2] * bk
+                kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                shape = (bq, bk)
+                diff = (lax.broadcast_in_dim(kvpos, shape, [1])
+                        - lax.broadcast_in_dim(qpos, shape, [0]))
+                ok = None
+
+                def conj(a, x):
+                    return x if a is None else a & x
+                if mask.right_limit is not None:
+                    ok = conj(ok, diff <= mask.right_limit)
+                if mask.left_limit is not None:
+                    ok = conj(ok, diff >= -mask.left_limit)
+                if pad_keys:
+                    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                    ok = conj(ok, col + start < Tk)
+                if has_seg:
+                    kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL)
+                    ok = conj(ok, lax.broadcast_in_dim(qseg, shape, [0])
+                              == lax.broadcast_in_dim(kvseg, shape, [1]))
+                return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
+            def step(t, carry, masked_tile):
+                acc, m, l = carry
+                slot = lax.rem(t, jnp.int32(stages))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    rendezvous()
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked_tile:
+                    s = apply_mask(s, t)
+                # scores stay unscaled; the scale (in log2 units) folds into the exp2
+                # argument as one fused multiply-add per element
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked_tile else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax():
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(sched)
+                if D <= 128:
+                    l = l + p.sum(axis=1)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l = l + p.sum(axis=1)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = t + 1
+
+                    @pl.when(nxt < count)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
+            l0 = plgpu.layout_cast(jnp.full((bq,), 0.0, F32), ROW)
+            acc0 = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+            pl.when(wg == 1)(rendezvous)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False),
+                                  (acc0, m0, l0))
+            if masked:
+                carry = lax.fori_loop(n_full, count,
+                                      functools.partial(step, masked_tile=True), carry)
+            pl.when(wg == 0)(rendezvous)
+            acc, m, l = carry
+            has = l > 0.0
+            l_safe = jnp.where(has, l, 1.0)
+            qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kvh = lax.div(h, jnp.int32(g))
+
+            @pl.loop(0, count)
+            def _(t):
+                slot = lax.rem(t, jnp.int32(stages))
+                rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    def entry(*refs):
+        if has_seg:
+            (tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
+             kvseg_ref, o_ref, lse_ref) = refs
+        else:
+            (tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, o_ref,
+             lse_ref) = refs
+            qseg_ref = kvseg_ref = None
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bq), F32))
+        pl.run_scoped(
+            lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
+                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    args = [tbl, order, q, k, v, q_pos, kv_pos] + ([q_seg, kv_seg] if has_seg else [])
+    args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(Hq, Lq // (2 * bq), B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*args)
+
+
+def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, kv_seg=None,
+             *, config: MgpuConfig):
+    """``(o [B, Tq, Hq, D] in q.dtype, lse float32 [B, Hq, Tq])``; see the module docstring."""
+    B, Tq, Hq, D = q.shape
+    Tk = k.shape[1]
+    bq, bk = config.block_q, config.block_kv
+    Lq, Lk = -(-Tq // (2 * bq)) * (2 * bq), -(-Tk // bk) * bk
+    has_seg = q_seg is not None
+    q_pos = _pad_to(jnp.broadcast_to(q_pos.astype(jnp.int32), (B, Tq)), 1, Lq, edge=True)
+    kv_pos = _pad_to(kv_pos.astype(jnp.int32), 0, Lk, edge=True)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg)
+    masked = (mask.right_limit is not None or mask.left_limit is not None or has_seg
+              or Tk % bk != 0)
+    segs = (None, None)
+    if has_seg:
+        segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
+                _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
+    o, lse = _fwd_call(tbl, cta_order(tbl), _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
+                       _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
+                       Tk=Tk, masked=masked, config=config)
+    return o[:, :Tq], lse[..., :Tq]
+
+
+# --------------------------------------------------------------------------- backend
+def is_hopper() -> bool:
+    """Whether JAX's first GPU is a Hopper (compute capability 9.x)."""
+    try:
+        cc = str(jax.devices("gpu")[0].compute_capability)
+    except Exception:
+        return False
+    return cc.split(".")[0] == "9"
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMgpuKernel:
+    """The ``pallas_mgpu`` backend (Hopper only).  ``config=None`` takes
+    ``DEFAULT_MGPU_CONFIGS[head_dim]``."""
+
+    config: Optional[MgpuConfig] = None
+    name: str = "pallas_mgpu"
+
+    def __post_init__(self):
+        if self.config is not None and not isinstance(self.config, MgpuConfig):
+            raise TypeError(f"config={self.config!r} must be an MgpuConfig or None")
+
+    def _config(self, head_dim: int) -> MgpuConfig:
+        return self.config or DEFAULT_MGPU_CONFIGS[head_dim]
+
+    #: Under ``shard_map(check_vma=True)`` the kernel bodies would mix mesh-varying
+    #: scalars read from the tile lists with loop carries that are not, which JAX 0.10's
+    #: loop typing rejects inside a Mosaic GPU kernel; strategies build their shard_map
+    #: without the check for this backend, as for interpreted Pallas.
+    supports_check_vma = False
+
+    def check(self, request: KernelRequest) -> None:
+        if request.platform != "gpu" or not is_hopper():
+            raise NotImplementedError(
+                "kernel='pallas_mgpu' needs a Hopper GPU (compute capability 9.x: H100, "
+                "H200); kernel='pallas' runs the Triton kernel on other GPUs")
+        self.check_shapes(request)
+
+    def check_shapes(self, request: KernelRequest) -> None:
+        """The refusals that do not depend on the device (tested on CPU)."""
+        if request.head_dim not in HEAD_DIMS:
+            raise NotImplementedError(f"head_dim={request.head_dim} is not supported by "
+                                      f"kernel='pallas_mgpu' (supported: {HEAD_DIMS})")
+        if str(request.dtype) not in DTYPES:
+            raise NotImplementedError(
+                f"dtype {request.dtype} is not supported by kernel='pallas_mgpu' (tensor-"
+                f"core bf16/f16 only); kernel='pallas' serves float32")
+        if request.mask.block_mask is not None:
+            raise NotImplementedError("block-sparse masks (block_mask) are not supported "
+                                      "by kernel='pallas_mgpu'; use kernel='xla'")
+
+    def _check_call(self, q, q_pos, kv_pos):
+        self.check_shapes(KernelRequest(platform=default_platform(),
+                                        dtype=str(jnp.dtype(q.dtype)), head_dim=q.shape[-1],
+                                        mask=MaskSpec()))
+        if q_pos.ndim not in (1, 2) or kv_pos.ndim != 1:
+            raise ValueError(f"q_pos must be [Tq] or [B, Tq] and kv_pos [Tk]; got shapes "
+                             f"{q_pos.shape} and {kv_pos.shape}")
+
+    def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
+            kv_seg=None):
+        self._check_call(q, q_pos, kv_pos)
+        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                        config=self._config(q.shape[-1]))
+
+    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
+            q_seg=None, kv_seg=None, delta=None):
+        self._check_call(q, q_pos, kv_pos)
+        cfg = self._config(q.shape[-1])
+        if backward_smem_bytes(cfg, q.shape[-1], q.dtype) > SMEM_LIMIT:
+            # D = 256: K, V and two Q/dO stages do not fit a CTA's shared memory; the
+            # Triton backward (same contract, same tile lists) takes these tiles
+            return pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg,
+                              kv_seg, delta, config=default_config(q.shape[-1], q.dtype),
+                              interpret=False)
+        return mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                        delta, config=cfg)
+
+
+register_kernel("pallas_mgpu", PallasMgpuKernel, priority=9, platforms=("gpu",))

@@ -1,0 +1,383 @@
+"""Backward of the Hopper (Mosaic GPU) attention tile: FlashAttention-2 Alg. 2 in two
+warp-specialised kernels over the tile lists of ``pallas_common.tile_lists``.
+
+With the given -- possibly *global*, as in ring attention -- ``lse`` and
+``delta = rowsum(dO * O)`` (BurstAttention Alg. 2, line 2; BurstEngine Eq. 8)::
+
+    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - delta)  (BurstEngine Eq. 7)
+    dK = scale * dS^T Q,  dQ = scale * dS K
+
+* ``dK, dV`` (``_dkdv_call``): one CTA per (block of ``2 * block_kv_bwd`` keys, key/value
+  head, batch row); two consumer warpgroups keep ``block_kv_bwd`` keys each, with their
+  K, V in shared memory and dK, dV in registers, while a producer warpgroup streams, for
+  each of the ``g`` query heads of the GQA group and each query block of the CTA's
+  (transposed) tile list, the blocks of Q and dO and the rows of lse and delta through a
+  shared-memory ring (TMA).  The kernel works on the transposed tile: ``S^T = K Q^T``,
+  so P^T feeds ``dV += P^T dO`` straight from registers, and ``dK += dS^T Q`` likewise.
+* ``dQ`` (``_dq_call``): the forward's layout -- one CTA per (block of ``2 * block_q_bwd``
+  queries, query head, batch row), two consumers, a producer streaming K and V blocks of
+  the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.
+
+The first ``n_full`` entries of each tile-list row run without mask code, the rest
+evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
+(they saw nothing) give ``P = 0``.  Gradients come back in the input dtype (as cuDNN's)
+and the backend casts them to float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_seqpar._compat import kernel_io
+from jax_seqpar.kernels.pallas_common import _pad_to, tile_lists
+from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
+                                                   cta_order)
+from jax_seqpar.kernels.xla import attention_delta
+from jax_seqpar.masks import MaskSpec
+
+
+def _mask_ok(mask: MaskSpec, q_pos, k_pos, q_seg, k_seg):
+    """Visibility of broadcast query/key rows (positions, segment ids), or None."""
+    ok = None
+
+    def conj(a, x):
+        return x if a is None else a & x
+    diff = k_pos - q_pos
+    if mask.right_limit is not None:
+        ok = conj(ok, diff <= mask.right_limit)
+    if mask.left_limit is not None:
+        ok = conj(ok, diff >= -mask.left_limit)
+    if q_seg is not None:
+        ok = conj(ok, q_seg == k_seg)
+    return ok
+
+
+# --------------------------------------------------------------------------- dK, dV
+def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
+               mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig):
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    B, Lq, Hq, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    dtype = q.dtype
+    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
+    has_seg = q_seg is not None
+    c = scale * LOG2E
+    ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
+                       plgpu.Layout.WGMMA)
+
+    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
+               kvpos_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, scoped):
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem), \
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free) = scoped
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("heads")
+        blk = order_ref[b, lax.axis_index("kv_seq")]
+        wg = lax.axis_index("wg")
+        count = tbl_ref[b, blk, 0]
+        n_full = tbl_ref[b, blk, 1] if masked else count
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(240, action="increase")
+            row0 = blk * (2 * bk) + wg * bk
+            kw, vw = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+            if masked:
+                kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
+                kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
+
+            def step(t, carry, hh, masked_tile):
+                dk, dv = carry
+                slot = lax.rem(hh * count + t, jnp.int32(stages))
+                plgpu.barrier_wait(q_ready.at[slot])
+
+                def st(acc_ref):
+                    plgpu.wgmma(acc_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse = _load(lse_smem.at[slot], COL, gmem=False)
+                if masked_tile:
+                    start = tbl_ref[b, blk, t + 2] * bq
+                    shape = (bk, bq)
+                    qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
+                    qseg = (_load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg
+                            else None)
+                    ok = _mask_ok(mask, lax.broadcast_in_dim(qpos, shape, [1]),
+                                  lax.broadcast_in_dim(kpos, shape, [0]),
+                                  None if qseg is None else lax.broadcast_in_dim(qseg, shape, [1]),
+                                  None if kseg is None else lax.broadcast_in_dim(kseg, shape, [0]))
+                    if ok is not None:
+                        s = jnp.where(ok, s, -jnp.inf)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
+                plgpu.barrier_wait(do_ready.at[slot])
+
+                def dv_dp(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+                dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(do_free.at[slot])
+                plgpu.barrier_wait(dl_ready.at[slot])
+                dl = _load(dl_smem.at[slot], COL, gmem=False)
+                ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))
+
+                def dk_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
+                dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
+            def head(hh, carry):
+                carry = lax.fori_loop(0, n_full, functools.partial(
+                    step, hh=hh, masked_tile=False), carry)
+                if masked:
+                    carry = lax.fori_loop(n_full, count, functools.partial(
+                        step, hh=hh, masked_tile=True), carry)
+                return carry
+            zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
+            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            kw[...] = (dk * scale).astype(dtype)
+            vw[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kw, dk_ref.at[b, pl.ds(row0, bk), kvh])
+            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(24, action="decrease")
+
+            @pl.loop(0, g * count)
+            def _(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                hh = lax.div(j, count)
+                t = j - hh * count
+                qh = kvh * g + hh
+                start = tbl_ref[b, blk, t + 2] * bq
+                rows = (b, pl.ds(start, bq), qh)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(q_free.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, qh, pl.ds(start, bq)],
+                                        lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(dl_ref.at[b, qh, pl.ds(start, bq)],
+                                        dl_smem.at[slot], dl_ready.at[slot])
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(do_free.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+
+    def entry(*refs):
+        ins = refs[:12] if has_seg else refs[:10] + (None, None)
+        dk_ref, dv_ref = refs[-2:]
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq), F32),
+                plgpu.SMEM((stages, bq), F32))
+        pl.run_scoped(
+            lambda *scoped: kernel(*ins, dk_ref, dv_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
+        [q_seg, kv_seg] if has_seg else [])
+    args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(Hkv, Lk // (2 * bk), B),
+        grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*args)
+
+
+# --------------------------------------------------------------------------- dQ
+def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
+             mask: MaskSpec, scale: float, Tk: int, masked: bool, config: MgpuConfig):
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    B, Lq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    g = Hq // Hkv
+    dtype = q.dtype
+    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
+    has_seg = q_seg is not None
+    pad_keys = Tk % bk != 0
+    c = scale * LOG2E
+    ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
+                       plgpu.Layout.WGMMA)
+
+    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
+               kvpos_ref, qseg_ref, kvseg_ref, dq_ref, scoped):
+        (q_smem, do_smem, k_smem, v_smem), (q_ready, k_ready, v_ready), \
+            (k_free, v_free) = scoped
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        cta = order_ref[b, lax.axis_index("q_seq")]
+        count = tbl_ref[b, cta, 0]
+        n_full = tbl_ref[b, cta, 1] if masked else count
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(240, action="increase")
+            row0 = cta * (2 * bq) + wg * bq
+            qw, dow = q_smem.at[wg], do_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qw, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(row0, bq), h], dow, q_ready.at[wg])
+            lse = _load(lse_ref.at[b, h, pl.ds(row0, bq)], ROW)
+            dl = _load(dl_ref.at[b, h, pl.ds(row0, bq)], ROW)
+            if masked:
+                qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
+                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def step(t, dq, masked_tile):
+                slot = lax.rem(t, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def s_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
+                if masked_tile:
+                    start = tbl_ref[b, cta, t + 2] * bk
+                    shape = (bq, bk)
+                    kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                    kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg
+                            else None)
+                    ok = _mask_ok(mask, lax.broadcast_in_dim(qpos, shape, [0]),
+                                  lax.broadcast_in_dim(kpos, shape, [1]),
+                                  None if qseg is None else lax.broadcast_in_dim(qseg, shape, [0]),
+                                  None if kseg is None else lax.broadcast_in_dim(kseg, shape, [1]))
+                    if pad_keys:
+                        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                        ok = (col + start < Tk) if ok is None else ok & (col + start < Tk)
+                    if ok is not None:
+                        s = jnp.where(ok, s, -jnp.inf)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def dp_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+                dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bk), F32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
+
+                def dq_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+                dq = pl.run_state(dq_fn)(plgpu.ACC.init(dq))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
+            dq = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False), dq)
+            if masked:
+                dq = lax.fori_loop(n_full, count, functools.partial(step, masked_tile=True),
+                                   dq)
+            qw[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, pl.ds(row0, bq), h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(24, action="decrease")
+            kvh = lax.div(h, jnp.int32(g))
+
+            @pl.loop(0, count)
+            def _(t):
+                slot = lax.rem(t, jnp.int32(stages))
+                rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    def entry(*refs):
+        ins = refs[:12] if has_seg else refs[:10] + (None, None)
+        dq_ref = refs[-1]
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz))
+        pl.run_scoped(
+            lambda *scoped: kernel(*ins, dq_ref, scoped),
+            smem,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
+        [q_seg, kv_seg] if has_seg else [])
+    args, (out_type,) = kernel_io(args, [((B, Lq, Hq, D), dtype)])
+    return plgpu.kernel(
+        entry, out_type=out_type,
+        grid=(Hq, Lq // (2 * bq), B), grid_names=("heads", "q_seq", "batch"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*args)
+
+
+# --------------------------------------------------------------------------- driver
+def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
+             kv_seg=None, delta=None, *, config: MgpuConfig):
+    """``(dq, dk, dv)`` in float32, shapes of ``q, k, v``; see the module docstring."""
+    B, Tq, Hq, D = q.shape
+    Tk = k.shape[1]
+    bq, bk = config.block_q_bwd, config.block_kv_bwd
+    Lq, Lk = -(-Tq // (2 * bq)) * (2 * bq), -(-Tk // (2 * bk)) * (2 * bk)
+    has_seg = q_seg is not None
+    if delta is None:
+        delta = attention_delta(o, do)
+    dtype = q.dtype
+    q_pos = _pad_to(jnp.broadcast_to(q_pos.astype(jnp.int32), (B, Tq)), 1, Lq, edge=True)
+    kv_pos = _pad_to(kv_pos.astype(jnp.int32), 0, Lk, edge=True)
+    qp, dop = _pad_to(q, 1, Lq), _pad_to(do.astype(dtype), 1, Lq)
+    kp, vp = _pad_to(k, 1, Lk), _pad_to(v, 1, Lk)
+    # lse in log2 units; rows that saw nothing (lse = -inf) and padded rows get +inf, so
+    # that P = exp2(S - lse) is 0 for them
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse.astype(F32) * LOG2E)
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, Lq - Tq)), constant_values=jnp.inf)
+    dl = _pad_to(delta.astype(F32), 2, Lq)
+    segs = (None, None)
+    if has_seg:
+        segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
+                _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
+    pos_masked = mask.right_limit is not None or mask.left_limit is not None or has_seg
+    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True)
+    dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs, mask=mask,
+                        scale=scale, masked=pos_masked, config=config)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg)
+    dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
+                  mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk != 0,
+                  config=config)
+    return (dq[:, :Tq].astype(F32), dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32))

@@ -1,0 +1,147 @@
+"""Issue 20: the Hopper (Mosaic GPU) kernels, what can be checked without a GPU.
+
+Mosaic GPU kernels neither run nor interpret on CPU, but JAX lowers them for CUDA on any
+machine: tracing the kernel bodies, checking every ref, layout, barrier and wgmma shape,
+and emitting the Mosaic GPU module.  So these tests lower the forward and both backward
+kernels (alone and inside a ring) for ``cuda``, and check the configuration, the
+shared-memory budget, the launch order and the refusals.  Their numerics are checked on
+an H200 by ``benchmarks/kernels.py --phases check`` (42 of 42 cases, RESULTS.md).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import jax_seqpar as jsp
+from jax_seqpar import _compat
+from jax_seqpar.kernels import pallas_mgpu
+from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
+                                     get_kernel)
+from jax_seqpar.kernels.pallas_mgpu import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT, MgpuConfig,
+                                            PallasMgpuKernel, backward_smem_bytes,
+                                            cta_order, forward_smem_bytes, mgpu_fwd)
+from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
+from jax_seqpar.kernels.tiles import TileKernels
+from jax_seqpar.masks import BlockMask, MaskSpec
+
+SDS = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+
+
+def _request(**kw):
+    base = dict(platform="gpu", dtype="bfloat16", head_dim=128, mask=MaskSpec(causal=True))
+    return KernelRequest(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_q=96), "multiple of 64"),
+    (dict(block_kv_bwd=32), "multiple of 64"),
+    (dict(num_stages=1), ">= 2"),
+    (dict(block_kv=True), "positive int"),
+])
+def test_config_is_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MgpuConfig(**kw)
+
+
+@pytest.mark.parametrize("D", sorted(DEFAULT_MGPU_CONFIGS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_default_configs_fit_shared_memory(D, dtype):
+    """Every default forward fits an H100/H200 CTA (227 KiB); the backward fits too,
+    except at D = 256, where the backend hands the backward to the Triton kernel."""
+    cfg = DEFAULT_MGPU_CONFIGS[D]
+    assert forward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT
+    assert (backward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT) == (D != 256)
+
+
+def test_launch_order_puts_the_longest_rows_first():
+    counts = jnp.array([[1, 4, 2, 4, 0], [3, 3, 3, 3, 3]], jnp.int32)
+    tbl = jnp.concatenate([counts[..., None], jnp.zeros((2, 5, 3), jnp.int32)], -1)
+    order = np.asarray(cta_order(tbl))
+    np.testing.assert_array_equal(order[0], [1, 3, 2, 0, 4])  # stable among equals
+    np.testing.assert_array_equal(order[1], np.arange(5))
+
+
+# --------------------------------------------------------------------------- refusals
+def test_refused_off_hopper_with_the_reason():
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        PallasMgpuKernel().check(_request())
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        get_kernel("pallas_mgpu", _request(platform="cpu"))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype="float32"), "float32"),
+    (dict(head_dim=96), "head_dim=96"),
+    (dict(mask=MaskSpec(block_mask=BlockMask(np.ones((2, 2), bool), 8))), "block_mask"),
+])
+def test_refuses_what_it_cannot_honour(kw, match, monkeypatch):
+    monkeypatch.setattr(pallas_mgpu, "is_hopper", lambda: True)
+    with pytest.raises(NotImplementedError, match=match):
+        PallasMgpuKernel().check(_request(**kw))
+
+
+def test_config_type_is_checked():
+    with pytest.raises(TypeError, match="MgpuConfig"):
+        PallasMgpuKernel(config=object())
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), {TILE_DENSE: "cudnn", TILE_ALIGNED: "cudnn", TILE_GENERAL: "pallas_mgpu"}),
+    (dict(has_segments=True), {TILE_DENSE: "pallas_mgpu", TILE_ALIGNED: "pallas_mgpu",
+                               TILE_GENERAL: "pallas_mgpu"}),
+    (dict(dtype="float32"), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
+                             TILE_GENERAL: "pallas"}),
+])
+def test_auto_on_hopper(kw, want, monkeypatch):
+    """On Hopper ``auto`` keeps cuDNN for the tiles it serves (its forward + backward is
+    faster) and gives every other bf16/f16 tile to the Mosaic GPU kernel."""
+    monkeypatch.setattr(pallas_mgpu, "is_hopper", lambda: True)
+    monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
+    assert TileKernels("auto", _request(**kw)).choices == want
+
+
+# --------------------------------------------------------------------------- lowering
+def _lowered(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("D,Tq,Tk,causal,window,seg", [
+    (128, 512, 512, False, None, False),
+    (64, 300, 200, True, None, False),     # ragged, GQA
+    (256, 256, 384, True, (70, 0), True),  # window, segments
+])
+def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
+    """The forward and both backward kernels trace and lower to Mosaic GPU custom calls."""
+    mask = MaskSpec(causal=causal, window=window)
+    cfg = DEFAULT_MGPU_CONFIGS[D]
+    q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
+    pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
+    segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
+    fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
+                                                        config=cfg), q, kv, kv, *pos, *segs)
+    assert fwd.count("mosaic_gpu") >= 1
+    if D == 256:
+        return  # the backend's backward is the Triton kernel's there
+    lse = SDS((2, 4, Tq), jnp.float32)
+    bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
+        q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=cfg), q, kv, kv, q, lse, q, *pos,
+        *segs)
+    assert bwd.count("mosaic_gpu") >= 2  # dK/dV and dQ
+
+
+@pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])
+def test_ring_with_the_kernel_lowers_for_cuda(layout, backward):
+    """Inside a ring (shard_map, ppermute, custom_vjp) the kernel serves every tile."""
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,))
+    q, kv = SDS((1, 1024, 4, 64), BF16), SDS((1, 1024, 2, 64), BF16)
+
+    def loss(q, k, v):
+        return jsp.attention(q, k, v, mesh=mesh, causal=True, layout=layout,
+                             backward=backward, kernel=PallasMgpuKernel()
+                             ).astype(jnp.float32).sum()
+    txt = _lowered(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert txt.count("mosaic_gpu") >= 3
