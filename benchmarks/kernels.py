@@ -9,12 +9,15 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
 * ``sweep``: Pallas block sizes / warps at S = 16k, bf16, causal and not (picks defaults).
 * ``bench``: forward and forward+backward TFLOP/s of ``xla``, ``pallas``,
   ``flash_attn`` (when importable) and cuDNN (``jax.nn.dot_product_attention(
-  implementation="cudnn")``), S in {4k, 16k, 32k}, H = 16, D in {64, 128}, B = 1, bf16,
+  implementation="cudnn")``) and, on Hopper, ``pallas_mgpu``, S in {4k, 16k, 32k}, H = 16, D in {64, 128}, B = 1, bf16,
   with the bf16 matmul rate measured in the same run.  FLOPs: 4 B H S^2 D forward
   (half of it causal), 2.5x that for the backward (FlashAttention-2 convention).
-* ``ring``: ``jsp.attention(kernel="pallas")``, zigzag causal, forward+backward at 128k
-  tokens on all GPUs, against the single-GPU Pallas time for the same total work:
-  efficiency = T(1 GPU, S) / (G * T(G GPUs, S)).
+* ``pair``: cuDNN and the chosen backends (``--bench-kernels``), forward and
+  forward+backward, timed in rotation over ``--rounds`` rounds (clock drift hits all
+  alike); medians and median ratios to cuDNN.
+* ``ring``: causal ring attention (zigzag and striped, tokens in layout order), forward +
+  backward at ``--ring-seq`` tokens on all GPUs with each of ``--ring-kernels``, against
+  one GPU running cuDNN on the whole sequence, with the error against cuDNN.
 
     python benchmarks/kernels.py                       # CPU: interpret-mode check only
     python benchmarks/kernels.py --phases check,bench  # on a GPU
@@ -342,24 +345,47 @@ def sweep(dims, S=16384):
 
 
 # ---------------------------------------------------------------------------- ring
-def ring(kern, S=131072, H=16, D=128):
+def ring(kernel_names, S=131072, H=16, D=128, layouts=("zigzag", "striped"), repeats=3):
+    """Causal ring attention, forward+backward, on all GPUs (``jsp.attention`` with each
+    backend, tokens already in layout order as a model keeps them), against **one GPU
+    running cuDNN** (``jax.nn.dot_product_attention``) on the whole sequence: the speedup
+    a user sees.  Each ring's output and gradients are compared with cuDNN's (permuted)."""
+    from jax_seqpar.layouts import permute_sequence
     G = jax.device_count()
-    ks = jax.random.split(jax.random.PRNGKey(7), 4)
-    q, k, v, do = (jax.random.normal(x, (1, S, H, D), jnp.bfloat16) for x in ks)
-    t1 = time_backend("pallas", kern, 1, H, S, D, True, repeats=3)[1]
+    q, k, v, do = _inputs(1, H, S, D)
+    scale = D ** -0.5
+    fb1 = jax.jit(lambda q, k, v, do: jax.vjp(_cudnn_fn(True, scale), q, k, v))
+    t1 = time_fn(lambda *a: fb1(*a)[1](a[3]), q, k, v, do, repeats=repeats)["median_s"]
+    o1, vjp1 = fb1(q, k, v, do)
+    ref = [o1, *vjp1(do)]
     mesh = jax.make_mesh((G,), ("sp",))
-
-    def f(q, k, v):
-        return jsp.attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", permuted=True,
-                             kernel=kern)
-    fb = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
-    tG = time_fn(fb, q, k, v, do, repeats=3)["median_s"]
     fl = 3.5 * attn_flops(1, H, S, D, True)
-    row = dict(S=S, G=G, t_1gpu_s=t1, t_ring_s=tG, efficiency=t1 / (G * tG),
-               ring_tflops_per_gpu=fl / tG / G / 1e12)
-    print(f"ring S={S} G={G}: 1 GPU {t1 * 1e3:.1f} ms, ring {tG * 1e3:.1f} ms, "
-          f"efficiency {row['efficiency']:.2f}", flush=True)
-    return [row]
+    rows = []
+    for layout in layouts:
+        perm = [permute_sequence(x, layout, G) for x in (q, k, v, do)]
+        ref_p = [permute_sequence(x, layout, G) for x in ref]
+        for name in kernel_names:
+            def f(q, k, v, name=name):
+                return jsp.attention(q, k, v, mesh=mesh, causal=True, layout=layout,
+                                     permuted=True, kernel=name, scale=scale)
+            fb = jax.jit(lambda q, k, v, do, f=f: (lambda o, vjp: (o, *vjp(do)))(
+                *jax.vjp(f, q, k, v)))
+            try:
+                tG = time_fn(fb, *perm, repeats=repeats)["median_s"]
+                outs = fb(*perm)
+            except Exception as e:
+                print(f"ring {layout} {name}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            err = max(_rel(a, b) for a, b in zip(outs, ref_p))
+            row = dict(S=S, G=G, H=H, D=D, layout=layout, kernel=name, t_ring_s=tG,
+                       t_cudnn_1gpu_s=t1, speedup_vs_cudnn_1gpu=t1 / tG,
+                       tflops_per_gpu=fl / tG / G / 1e12, rel_err_vs_cudnn=err,
+                       ok=err <= BUDGET["bfloat16"])
+            rows.append(row)
+            print(f"ring S={S} G={G} {layout:8s} {name:12s} {tG * 1e3:8.1f} ms, one GPU "
+                  f"cuDNN {t1 * 1e3:8.1f} ms: {row['speedup_vs_cudnn_1gpu']:.2f}x, "
+                  f"{row['tflops_per_gpu']:.0f} TFLOP/s/GPU, err {err:.1e}", flush=True)
+    return rows
 
 
 def main():
@@ -379,6 +405,9 @@ def main():
     p.add_argument("--sizes", default="4096,16384,32768", help="sequence lengths for bench")
     p.add_argument("--bench-dims", default="64,128", help="head dims for bench")
     p.add_argument("--rounds", type=int, default=30, help="pair: timing rounds")
+    p.add_argument("--ring-kernels", default="auto,pallas_mgpu,pallas",
+                   help="ring: backends (kernel= of jsp.attention)")
+    p.add_argument("--ring-seq", type=int, default=131072, help="ring: total tokens")
     p.add_argument("--bench-kernels", default=None,
                    help="backends for bench besides cuDNN (default: all available)")
     args = p.parse_args()
@@ -418,7 +447,8 @@ def main():
         result["tuned"] = {D: dataclasses.asdict(c) for D, c in tuned.items()}
         save_json(result, path)
     if "ring" in phases and jax.device_count() > 1:
-        result["ring"] = ring(PallasKernel(config=tuned.get(128)))
+        result["ring"] = ring(args.ring_kernels.split(","), S=args.ring_seq)
+        ok &= all(r["ok"] for r in result["ring"])
         save_json(result, path)
     if "bench" in phases:
         rate = matmul_rate()

@@ -27,6 +27,7 @@ and the backend casts them to float32.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -218,7 +219,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
     Hkv = k.shape[2]
     g = Hq // Hkv
     dtype = q.dtype
-    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
+    bq, bk, stages = config.block_q_bwd, config.block_kv_dq, config.num_stages_bwd
     has_seg = q_seg is not None
     pad_keys = Tk % bk != 0
     c = scale * LOG2E
@@ -353,8 +354,9 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     """``(dq, dk, dv)`` in float32, shapes of ``q, k, v``; see the module docstring."""
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
-    bq, bk = config.block_q_bwd, config.block_kv_bwd
-    Lq, Lk = -(-Tq // (2 * bq)) * (2 * bq), -(-Tk // (2 * bk)) * (2 * bk)
+    bq, bk, bk_dq = config.block_q_bwd, config.block_kv_bwd, config.block_kv_dq
+    kmul = math.lcm(2 * bk, bk_dq)  # whole CTAs of the dK/dV kernel, whole dQ stages
+    Lq, Lk = -(-Tq // (2 * bq)) * (2 * bq), -(-Tk // kmul) * kmul
     has_seg = q_seg is not None
     if delta is None:
         delta = attention_delta(o, do)
@@ -376,8 +378,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True)
     dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs, mask=mask,
                         scale=scale, masked=pos_masked, config=config)
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg)
     dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
-                  mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk != 0,
+                  mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk_dq != 0,
                   config=config)
     return (dq[:, :Tq].astype(F32), dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32))

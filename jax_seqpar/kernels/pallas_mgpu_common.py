@@ -29,7 +29,9 @@ class MgpuConfig:
 
     ``block_q``: query rows per consumer warpgroup (a CTA holds ``2 * block_q``);
     ``block_kv``: keys per pipeline stage; ``num_stages``: depth of the K/V ring.
-    ``*_bwd``: the same for the backward kernels.
+    ``*_bwd``: the same for the backward's dK/dV kernel (``block_kv_bwd`` keys per
+    consumer, query blocks of ``block_q_bwd`` streamed); ``block_kv_dq``: keys per stage
+    of the dQ kernel (whose consumers hold ``block_q_bwd`` queries each).
     """
 
     block_q: int = 64
@@ -38,13 +40,14 @@ class MgpuConfig:
     block_q_bwd: int = 64
     block_kv_bwd: int = 64
     num_stages_bwd: int = 2
+    block_kv_dq: int = 64
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"MgpuConfig.{f.name}={val!r} must be a positive int")
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_kv_dq"):
             if getattr(self, name) % 64:
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)} must be a "
                                  f"multiple of 64 (wgmma tiles)")
@@ -54,10 +57,13 @@ class MgpuConfig:
                                  f"(a single stage cannot overlap loads and compute)")
 
 
-#: Per-head-dim defaults (benchmarks/kernels.py, RESULTS.md).
+#: Per-head-dim defaults.  Backward sweep on one H200 at S = 16k (results/
+#: mgpu_bwd_sweep16k_h200.json, timed in rotation): dQ stages of 128 keys beat 64 by
+#: 1-3%, a third backward stage lost 4-8%.  D = 256 runs the Triton backward (the
+#: Mosaic GPU one does not fit shared memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
-    64: MgpuConfig(block_q=64, block_kv=128, num_stages=4),
-    128: MgpuConfig(block_q=64, block_kv=128, num_stages=2),
+    64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128),
+    128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128),
     256: MgpuConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
@@ -72,12 +78,14 @@ def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
 
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one dK/dV CTA (the larger backward kernel): the K and V of its
-    two consumers and the Q, dO, lse and delta rings."""
+    """Shared memory of the larger backward CTA: dK/dV (the K and V of its two consumers,
+    the Q, dO, lse and delta rings) or dQ (two Q and dO blocks, the K and V rings)."""
     item = jnp.dtype(dtype).itemsize
     kv = 2 * 2 * config.block_kv_bwd * head_dim * item
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
-    return kv + ring
+    dq = (2 * 2 * config.block_q_bwd + 2 * config.num_stages_bwd * config.block_kv_dq) \
+        * head_dim * item
+    return max(kv + ring, dq)
 
 
 def _plgpu():
