@@ -43,7 +43,7 @@ from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
-    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes)
+    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes, produce_kv, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -92,25 +92,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
             def apply_mask(s, t):
                 start = tbl_ref[b, cta, t + 2] * bk
-                kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
                 shape = (bq, bk)
-                diff = (lax.broadcast_in_dim(kvpos, shape, [1])
-                        - lax.broadcast_in_dim(qpos, shape, [0]))
-                ok = None
-
-                def conj(a, x):
-                    return x if a is None else a & x
-                if mask.right_limit is not None:
-                    ok = conj(ok, diff <= mask.right_limit)
-                if mask.left_limit is not None:
-                    ok = conj(ok, diff >= -mask.left_limit)
+                kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None
+                pad = None
                 if pad_keys:
                     col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                    ok = conj(ok, col + start < Tk)
-                if has_seg:
-                    kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL)
-                    ok = conj(ok, lax.broadcast_in_dim(qseg, shape, [0])
-                              == lax.broadcast_in_dim(kvseg, shape, [1]))
+                    pad = col + start < Tk
+                ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
             def step(t, carry, masked_tile):
@@ -186,22 +175,8 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            kvh = lax.div(h, jnp.int32(g))
-
-            @pl.loop(0, count)
-            def _(t):
-                slot = lax.rem(t, jnp.int32(stages))
-                rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+            produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                       v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free)
 
     def entry(*refs):
         if has_seg:

@@ -35,25 +35,9 @@ from jax import lax
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order)
+                                                   cta_order, produce_kv, tile_visible)
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
-
-
-def _mask_ok(mask: MaskSpec, q_pos, k_pos, q_seg, k_seg):
-    """Visibility of broadcast query/key rows (positions, segment ids), or None."""
-    ok = None
-
-    def conj(a, x):
-        return x if a is None else a & x
-    diff = k_pos - q_pos
-    if mask.right_limit is not None:
-        ok = conj(ok, diff <= mask.right_limit)
-    if mask.left_limit is not None:
-        ok = conj(ok, diff >= -mask.left_limit)
-    if q_seg is not None:
-        ok = conj(ok, q_seg == k_seg)
-    return ok
 
 
 # --------------------------------------------------------------------------- dK, dV
@@ -107,14 +91,10 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
                 if masked_tile:
                     start = tbl_ref[b, blk, t + 2] * bq
-                    shape = (bk, bq)
                     qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
                     qseg = (_load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg
                             else None)
-                    ok = _mask_ok(mask, lax.broadcast_in_dim(qpos, shape, [1]),
-                                  lax.broadcast_in_dim(kpos, shape, [0]),
-                                  None if qseg is None else lax.broadcast_in_dim(qseg, shape, [1]),
-                                  None if kseg is None else lax.broadcast_in_dim(kseg, shape, [0]))
+                    ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
@@ -265,13 +245,11 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
                     kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg
                             else None)
-                    ok = _mask_ok(mask, lax.broadcast_in_dim(qpos, shape, [0]),
-                                  lax.broadcast_in_dim(kpos, shape, [1]),
-                                  None if qseg is None else lax.broadcast_in_dim(qseg, shape, [0]),
-                                  None if kseg is None else lax.broadcast_in_dim(kseg, shape, [1]))
+                    pad = None
                     if pad_keys:
                         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                        ok = (col + start < Tk) if ok is None else ok & (col + start < Tk)
+                        pad = col + start < Tk
+                    ok = tile_visible(mask, qpos, kpos, qseg, kseg, 0, shape, extra=pad)
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -303,22 +281,8 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(24, action="decrease")
-            kvh = lax.div(h, jnp.int32(g))
-
-            @pl.loop(0, count)
-            def _(t):
-                slot = lax.rem(t, jnp.int32(stages))
-                rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+            produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                       v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free)
 
     def entry(*refs):
         ins = refs[:12] if has_seg else refs[:10] + (None, None)

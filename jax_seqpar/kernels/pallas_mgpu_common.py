@@ -109,3 +109,53 @@ def _load(ref, layout, gmem: bool = True):
 def cta_order(tbl):
     """Query-block order of the launch: most visible tiles first (stable), ``[B, n]``."""
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- in-kernel
+def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=None):
+    """Visibility of a ``shape`` tile of scores (or None: all visible) from row vectors:
+    query positions / segment ids along axis ``q_axis``, key ones along the other, and an
+    ``extra`` condition (padded keys) conjoined last.  The mask of the contract: keys ``j``
+    with ``left <= q - j`` ... as ``MaskSpec.right_limit`` / ``left_limit`` say."""
+    from jax import lax
+    k_axis = 1 - q_axis
+    along = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])  # noqa: E731
+    diff = along(k_pos, k_axis) - along(q_pos, q_axis)
+    terms = []
+    if mask.right_limit is not None:
+        terms.append(diff <= mask.right_limit)
+    if mask.left_limit is not None:
+        terms.append(diff >= -mask.left_limit)
+    if q_seg is not None:
+        terms.append(along(q_seg, q_axis) == along(k_seg, k_axis))
+    if extra is not None:
+        terms.append(extra)
+    ok = None
+    for term in terms:
+        ok = term if ok is None else ok & term
+    return ok
+
+
+def produce_kv(tbl_ref, b, cta, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
+               k_ready, v_ready, k_free, v_free):
+    """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
+    each of the ``count`` blocks of the CTA's tile-list row, wait until the consumers
+    have freed its ring slot, then start the TMA copies of K and V into it."""
+    import jax.experimental.pallas as pl
+    from jax import lax
+    plgpu = _plgpu()
+
+    @pl.loop(0, count)
+    def _(t):
+        slot = lax.rem(t, jnp.int32(stages))
+        rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+        @pl.when(t >= stages)
+        def _():
+            plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
