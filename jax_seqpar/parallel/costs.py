@@ -225,7 +225,7 @@ def choose_backward(s, *, link_bytes_per_s: Optional[float] = None) -> BackwardC
 # * double_ring (BurstEngine §3.1, Fig. 4; ``double_ring.py``) on ``No`` nodes x ``Ni``
 #   local devices, ``T = S / (No Ni)``: the ring's hop volumes (``_hop``: a block ``t``
 #   and an accumulator of ``a`` float32 elements per hop) on two axes.  With the whole
-#   double ring (dense or causal masks), per device and call:
+#   double ring (dense or causal masks) and ``No, Ni >= 2``, per device and call:
 #     outer: ``(No-1) t + (No-2) 4a + a e``          (one chain of No-1 rounds)
 #     inner: ``No (Ni-1) t + No (Ni-2) 4a + a e + (No-1) 4a``
 #            (an intra-node chain of Ni-1 hops in each of the No rounds; the hop home of
