@@ -154,6 +154,15 @@ class DoubleRingShape:
     def num_devices(self) -> int:
         return self.nodes * self.local
 
+    def hops(self) -> Tuple[int, int]:
+        """``(inter-node, intra-node)`` hops of a block (``No - 1``, ``G - No`` in full)."""
+        return sum(self.outer_chains), sum(sum(c) for c in self.intra_chains)
+
+    def chain_count(self) -> Tuple[int, int]:
+        """``(inter-node, intra-node)`` chains: each ends with one hop home in a backward."""
+        return (len([n for n in self.outer_chains if n]),
+                sum(len([n for n in c if n]) for c in self.intra_chains))
+
 
 def double_ring_bytes(phase: str, s: DoubleRingShape) -> Tuple[int, int]:
     """``(outer, inner)`` bytes one device sends in ``phase`` ("forward", "kv", "q").
