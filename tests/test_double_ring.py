@@ -240,3 +240,21 @@ def test_axis_errors():
     with pytest.raises(ValueError, match=r"divisible by 2\*num_shards=8"):
         jsp.attention(q[:, :56], k[:, :56], v[:, :56], mesh=mesh, axis_name=AXES,
                       strategy="double_ring", layout="zigzag")
+
+
+def test_overlap_check_script_takes_the_double_ring(tmp_path, monkeypatch, capsys):
+    """``benchmarks/overlap_check.py --strategy double_ring`` (for the GPU run later)."""
+    import importlib.util
+    import pathlib
+    bench = pathlib.Path(__file__).parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("overlap_check", bench / "overlap_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--strategy", "double_ring", "--nodes", "4", "--seq", "64", "--heads", "2",
+                   "--head-dim", "8", "--backward", "q"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "double_ring {'node': 4, 'local': 2}" in out and " node " in out
+    assert (tmp_path / "overlap_double_ring4x_cpu8.json").exists()
