@@ -258,3 +258,19 @@ def test_overlap_check_script_takes_the_double_ring(tmp_path, monkeypatch, capsy
     assert rc == 0, out
     assert "double_ring {'node': 4, 'local': 2}" in out and " node " in out
     assert (tmp_path / "overlap_double_ring4x_cpu8.json").exists()
+
+
+def test_per_device_function_in_a_users_shard_map():
+    """``parallel.double_ring_attention`` inside one's own ``shard_map`` over the tuple
+    of axes (shard ``n * Ni + l`` on device ``(n, l)``): the forward equals the reference."""
+    from jax.sharding import PartitionSpec as P
+    from jax_seqpar._compat import place, shard_map
+    from jax_seqpar.parallel import double_ring_attention
+    q, k, v = helpers.make_qkv(3, B=B, S=S, Hq=2, Hkv=2, D=D)
+    mesh = _mesh((2, 4))
+    spec = P(None, AXES)
+    f = jax.jit(shard_map(lambda q, k, v: double_ring_attention(q, k, v, axis_name=AXES),
+                          mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    ref = helpers.reference_fwd_bwd(q, k, v, q)[0]
+    out = f(*(place(x, mesh, spec) for x in (q, k, v)))
+    helpers.assert_close(out, ref, helpers.tol(F32), "per-device double ring")

@@ -49,15 +49,18 @@ check them to the byte against the compiled program.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxtyping import Array, Float, Int
 
 from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
-from jax_seqpar.parallel.common import FWD_SCOPE, AttnConfig, axis_size
+from jax_seqpar.masks import WindowArg
+from jax_seqpar.parallel.common import FWD_SCOPE, AttnConfig, axis_size, make_config
 from jax_seqpar.parallel.costs import DoubleRingShape, choose_backward
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
@@ -80,6 +83,35 @@ def double_ring_axes(axis_name):
         raise ValueError(f"strategy='double_ring' needs two different mesh axes; got "
                          f"axis_name={axis_name!r}")
     return axis_name
+
+
+def double_ring_attention(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B T Hkv D"],
+    v: Float[Array, "B T Hkv D"],
+    segment_ids: Optional[Int[Array, "B T"]] = None,
+    *,
+    axis_name=("node", "local"),
+    causal: bool = False,
+    window: WindowArg = None,
+    scale: Optional[float] = None,
+    block_mask=None,
+    layout: str = "contiguous",
+    stripe: int = 1,
+    backward: str = "kv",
+    kernel="auto",
+) -> Float[Array, "B T Hq D"]:
+    """Per-device double-ring self-attention over ``axis_name = (outer, inner)``.
+
+    For a user's own ``shard_map`` with ``in_specs=P(None, (outer, inner))``: ``q``,
+    ``k``, ``v`` and ``segment_ids`` are this device's shard, in ``layout`` order over all
+    ``No * Ni`` shards; returns this device's output shard in ``q.dtype``.  The options
+    mean what they mean in ``jax_seqpar.attention``.
+    """
+    cfg = make_config(q, k, axis_name=tuple(axis_name), causal=causal, window=window,
+                      segment_ids=segment_ids, scale=scale, layout=layout,
+                      backward=backward, kernel=kernel, block_mask=block_mask, stripe=stripe)
+    return double_ring_attention_with_config(cfg, q, k, v, segment_ids)
 
 
 def double_ring_attention_with_config(cfg: AttnConfig, q, k, v, segment_ids=None):
