@@ -1,10 +1,12 @@
 """What-if table of communication time: a MODEL, not a measurement.
 
 BurstEngine Table 1 (``jax_seqpar.parallel.comm_time.table1_time``) for RingAttention,
-DoubleRing and BurstAttention on a multi-node cluster, next to USP (Ulysses inside a node
-x ring over nodes) and Ulysses, whose time is the bytes ``costs.bytes_per_axis`` counts
-per mesh axis over that axis's bandwidth plus one latency per collective
-(``comm_time.axis_time``).  Nothing runs on a device.
+DoubleRing and BurstAttention on a multi-node cluster, next to ``strategy="double_ring"``
+as implemented (``comm_time.double_ring_time``: the bytes it sends per axis, both axes
+overlapped; Burst backward), USP (Ulysses inside a node x ring over nodes) and Ulysses,
+whose time is the bytes ``costs.bytes_per_axis`` counts per mesh axis over that axis's
+bandwidth plus one latency per collective (``comm_time.axis_time``).  Nothing runs on a
+device.
 
     python benchmarks/comm_model.py                      # 8 nodes x 8 GPUs, 400 Gb/s NICs
     python benchmarks/comm_model.py --nodes 4 --nic-gbps 200 --seq 131072,1048576
@@ -18,7 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jax_seqpar.parallel.comm_time import Link, axis_time, table1_time  # noqa: E402
+from jax_seqpar.parallel.comm_time import (Link, axis_time, double_ring_time,  # noqa: E402
+                                           table1_time)
 from jax_seqpar.parallel.costs import AttnShape, bytes_per_axis  # noqa: E402
 
 
@@ -31,6 +34,9 @@ def rows(nodes, gpus, heads, head_dim, itemsize, seq, intra, inter):
            for m in ("ring", "double_ring", "burst")]
     shape = AttnShape(1, seq, heads, heads, head_dim, itemsize)
     links = {"node": inter, "gpu": intra}
+    # strategy="double_ring" as implemented: its bytes per axis, both axes overlapped
+    out.append(("double_ring impl (q)", double_ring_time(
+        shape, {"node": nodes, "gpu": gpus}, links, backward="q")))
     if heads % gpus == 0:  # USP: Ulysses over the GPUs of a node, ring ("q") over nodes
         b = bytes_per_axis("usp", shape, {"node": nodes, "gpu": gpus}, backward="q")
         tot = {a: b["forward"][a] + b["backward"][a] for a in links}

@@ -1,13 +1,19 @@
 """Does the compiled ring overlap each transfer with a local tile?  (compile only)
 
-Compiles the 1-D ring's forward and backward over every device present (8 simulated CPU
-devices without an accelerator) and prints, per collective, what the scheduled HLO puts
-in its window (``jax_seqpar.overlap``): on GPUs the instructions between each
+Compiles the forward and backward of the 1-D ring (``--strategy ring``) or of the
+double ring (``--strategy double_ring``: ``--nodes`` x G/nodes devices, axes ("node",
+"local"), BurstEngine §3.1 Fig. 4-5) over every device present (8 simulated CPU devices
+without an accelerator) and prints, per collective, its mesh axis and what the scheduled
+HLO puts in its window (``jax_seqpar.overlap``): on GPUs the instructions between each
 ``collective-permute-start`` and its ``-done``; on CPU, whose collectives are
-synchronous, those between the collective and its first user.  Exits non-zero when an
-activation hop that forwards a received block has no kernel compute in its window.
+synchronous, those between the collective and its first user; and the kernel compute
+scheduled before a kernel reads its data (``until_needed``).  Exits non-zero when an
+activation hop has no kernel compute where it must have some: a hop that forwards a
+received block (over the ring's axis, or the intra-node axis of a double ring) in its
+window, and a double ring's inter-node hop before its block is read.
 
     python benchmarks/overlap_check.py [--seq 65536] [--causal] [--backward kv|q]
+    python benchmarks/overlap_check.py --strategy double_ring --nodes 2 --causal
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", default="kv", choices=("kv", "q"))
+    ap.add_argument("--strategy", default="ring", choices=("ring", "double_ring"))
+    ap.add_argument("--nodes", type=int, default=2,
+                    help="double_ring: size of the outer (inter-node) axis")
     a = ap.parse_args(argv)
     G = jax.device_count()
     on_gpu = jax.default_backend() == "gpu"
@@ -40,12 +49,20 @@ def main(argv=None):
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     shape = (1, S, a.heads, a.head_dim)
     q = k = v = do = jax.ShapeDtypeStruct(shape, dtype)
-    mesh = jax.make_mesh((G,), ("sp",))
+    if a.strategy == "double_ring":
+        if G % a.nodes:
+            ap.error(f"--nodes {a.nodes} must divide the {G} devices")
+        mesh = jax.make_mesh((a.nodes, G // a.nodes), ("node", "local"))
+        axis_name, inner = ("node", "local"), "local"
+    else:
+        mesh = jax.make_mesh((G,), ("sp",))
+        axis_name, inner = "sp", "sp"
     layout = "zigzag" if a.causal else "contiguous"
 
     def att(q, k, v):
-        return jsp.attention(q, k, v, mesh=mesh, causal=a.causal, layout=layout,
-                             permuted=True, backward=a.backward)
+        return jsp.attention(q, k, v, mesh=mesh, axis_name=axis_name, strategy=a.strategy,
+                             causal=a.causal, layout=layout, permuted=True,
+                             backward=a.backward)
 
     def fwd_bwd(q, k, v, do):
         _, vjp = jax.vjp(att, q, k, v)
@@ -54,25 +71,34 @@ def main(argv=None):
     rows, bad = [], 0
     for phase, fn, args in (("forward", att, (q, k, v)), ("fwd+bwd", fwd_bwd, (q, k, v, do))):
         for w in overlap_report(fn, *args):
+            axis = w.axes(mesh)
             forwarded = w.operand_ops == ("collective-permute",)
-            if forwarded and not w.gradient and not w.overlapped:
-                bad += 1
+            if not w.gradient:
+                if forwarded and axis == inner and not w.overlapped:
+                    bad += 1
+                if axis == "node" and not w.compute_until_needed:
+                    bad += 1
             rows.append({"phase": phase, "collective": w.collective, "kind": w.kind,
+                         "axis": axis if isinstance(axis, str) else str(axis),
                          "async": w.is_async, "gradient": w.gradient,
                          "forwards_block": forwarded, "window": len(w.between),
-                         "kernel_compute": list(w.compute)})
-    print(f"{jax.default_backend()} x{G}, S={S}, causal={a.causal}, backward={a.backward}")
-    print(f"{'phase':<8} {'collective':<28} {'async':>5} {'grad':>5} {'fwd':>4} "
-          f"{'window':>6}  kernel compute in window")
+                         "kernel_compute": list(w.compute),
+                         "compute_until_needed": len(w.compute_until_needed),
+                         "independent_compute": len(w.independent)})
+    print(f"{jax.default_backend()} x{G}, {a.strategy} {dict(mesh.shape)}, S={S}, "
+          f"causal={a.causal}, backward={a.backward}")
+    print(f"{'phase':<8} {'collective':<28} {'axis':<6} {'async':>5} {'grad':>5} {'fwd':>4} "
+          f"{'window':>6} {'until':>5}  kernel compute in window")
     for r in rows:
-        print(f"{r['phase']:<8} {r['collective']:<28} {str(r['async']):>5} "
-              f"{str(r['gradient']):>5} {str(r['forwards_block']):>4} {r['window']:>6}  "
-              f"{', '.join(r['kernel_compute'][:3])}")
+        print(f"{r['phase']:<8} {r['collective']:<28} {r['axis']:<6} {str(r['async']):>5} "
+              f"{str(r['gradient']):>5} {str(r['forwards_block']):>4} {r['window']:>6} "
+              f"{r['compute_until_needed']:>5}  {', '.join(r['kernel_compute'][:3])}")
     out = os.environ.get("OUT", "benchmarks/out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"overlap_{jax.default_backend()}{G}.json"), "w") as f:
+    name = "overlap" if a.strategy == "ring" else f"overlap_double_ring{a.nodes}x"
+    with open(os.path.join(out, f"{name}_{jax.default_backend()}{G}.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"forwarded activation hops without kernel compute: {bad}")
+    print(f"activation hops without kernel compute where they need it: {bad}")
     return 1 if bad else 0
 
 

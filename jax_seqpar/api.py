@@ -20,13 +20,15 @@ from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
 from jax_seqpar.parallel.common import BACKWARDS, make_config
+from jax_seqpar.parallel.double_ring import (double_ring_attention_with_config,
+                                             double_ring_axes)
 from jax_seqpar.parallel.ring import ring_attention_with_config
 from jax_seqpar.parallel.selective import selective_ring_attention_with_config
 from jax_seqpar.parallel.tree import tree_sequence_attention_with_config
 from jax_seqpar.parallel.ulysses import (check_heads, ulysses_attention_with_config,
                                          usp_attention_with_config, usp_axes)
 
-STRATEGIES = ("ring", "allgather", "tree", "ulysses", "usp")
+STRATEGIES = ("ring", "allgather", "tree", "ulysses", "usp", "double_ring")
 PLANNED_STRATEGIES = ()
 
 
@@ -121,8 +123,13 @@ def attention(
         put, and the partial outputs are combined by Tree Attention's logsumexp reduction;
         O(S) query memory per device -- see ``parallel.tree``), ``"ulysses"``
         (DeepSpeed-Ulysses: all-to-alls trade sequence shards for head shards; heads must
-        divide by the axis size) or ``"usp"`` (``axis_name=(outer, inner)``: Ulysses over
-        ``inner`` x ring over ``outer``; see ``parallel.ulysses``).
+        divide by the axis size), ``"usp"`` (``axis_name=(outer, inner)``: Ulysses over
+        ``inner`` x ring over ``outer``; see ``parallel.ulysses``) or ``"double_ring"``
+        (``axis_name=(outer, inner)``, ``outer`` the slow inter-node axis: BurstEngine's
+        topology-aware double ring, intra-node rings over ``inner`` and an inter-node
+        ring over ``outer`` whose transfers overlap them; see ``parallel.double_ring``).
+        ``parallel.choose.choose_strategy`` picks one from the mesh, heads, sequence
+        length and per-axis bandwidths, with the reason.
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
       segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
@@ -137,7 +144,9 @@ def attention(
         layout on the way in and back on the way out.  True: they already are in layout
         order (``layouts.permute_sequence``) and the output stays so -- the efficient path
         for a model that permutes its tokens once, at the input.  For ``"usp"`` the
-        layout is over the outer axis only: ``permute_sequence(x, layout, mesh.shape[outer])``.
+        layout is over the outer axis only: ``permute_sequence(x, layout, mesh.shape[outer])``;
+        for ``"double_ring"`` (and ``"ring"`` on a tuple of axes) over all devices, in
+        ``(outer, inner)`` order: ``permute_sequence(x, layout, No * Ni)``.
       backward: ring backward scheme: ``"kv"`` (Ring Attention: K, V, dK, dV circulate),
         ``"q"`` (BurstAttention: Q, dQ, dO, D, lse circulate) or ``"auto"`` (fewer bytes;
         see ``jax_seqpar.parallel.costs``).  Ignored by ``"allgather"`` and ``"tree"``.
@@ -158,6 +167,8 @@ def attention(
         G = mesh.shape[outer]
     elif strategy == "ulysses":
         check_heads(q.shape[2], k.shape[2], G, axis_name, strategy)
+    elif strategy == "double_ring":
+        double_ring_axes(axis_name)
     bm = _block_mask(block_mask, q.shape[1])
     stripe = 1
     if bm is not None and layout == "striped":
@@ -192,6 +203,7 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
                   "tree": tree_sequence_attention_with_config,
                   "ulysses": ulysses_attention_with_config,
                   "usp": usp_attention_with_config,
+                  "double_ring": double_ring_attention_with_config,
                   # not a public strategy: jax_seqpar.remat.seq_selective_attention
                   "ring_selective": selective_ring_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)

@@ -28,15 +28,39 @@ inside its computation, on kernel compute (an accumulator of dK, dV or dQ), as o
 to an *activation* (K, V, or Q, dO and the row statistics) that only travels.
 BurstEngine §3.1 (Fig. 5) tells the two apart: an activation hop can overlap with the
 computation of the block in hand, while a gradient hop must wait for its own tile.
+
+Two further views do not stop at the first user, which for a ring is often the hop that
+forwards the block just received (another collective), not a kernel:
+
+* ``until_needed``: the instructions scheduled between the collective and the first
+  kernel compute that depends on its data (through copies, slices and forwarding hops);
+  for data no kernel reads (a gradient accumulator, only added and sent on), its first
+  user.  A double ring's inter-node hop (``parallel/double_ring.py``) is first forwarded
+  over the intra-node ring of the next round, and read by a tile only then; the tiles
+  scheduled before that are what the inter-node transfer can hide behind.
+* ``independent``: the kernel compute of the computation that neither feeds the
+  collective nor depends on it, whatever the schedule: what the dataflow lets run while
+  it is in flight; ``feeds``: the kernel compute that depends on it (none for a gradient
+  accumulator: its hop never makes a tile wait, BurstEngine Fig. 5's delayed gradients).
+
+What CPU can and cannot show.  The CPU backend runs every collective synchronously and
+its scheduler does not aim at overlap (it interleaves the tiles of different hops as
+their data allows), so on CPU these windows show the *structure* -- which transfers are
+issued before which tiles, which tiles do not wait for a transfer -- and whether this
+particular schedule happens to put a tile inside; not that the bytes move while a tile
+computes.  That needs asynchronous collectives and a latency-hiding scheduler, i.e. a
+GPU (``benchmarks/overlap_check.py`` there prints the ``-start``/``-done`` windows), and,
+for the time actually hidden, a profile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
-from jax_seqpar.comm import KINDS, _parse, compiled_text
+from jax_seqpar.comm import (KINDS, CollectiveOp, _parse, _replica_groups, compiled_text,
+                             op_axes)
 
 KERNEL_OPS = ("dot", "convolution", "custom-call", "exponential")
 _CALLING_OPS = ("fusion", "conditional", "while", "call")
@@ -56,6 +80,29 @@ class OverlapWindow:
     operand_ops: Tuple[str, ...]  # opcodes of its operands (e.g. a forwarded block's
                                   # "collective-permute"; "parameter" for an input)
     line: str                # the collective's HLO line
+    #: (name, opcode, is kernel compute) scheduled before a kernel needs its data
+    until_needed: Tuple[Tuple[str, str, bool], ...] = ()
+    #: kernel compute that neither feeds it nor depends on it (any schedule)
+    independent: Tuple[str, ...] = ()
+    #: kernel compute that depends on its data (none: no tile ever waits for it)
+    feeds: Tuple[str, ...] = ()
+
+    @property
+    def compute_until_needed(self) -> Tuple[str, ...]:
+        """Names of the compute instructions scheduled before a kernel needs the data."""
+        return tuple(name for name, _, is_compute in self.until_needed if is_compute)
+
+    def axes(self, mesh):
+        """The mesh axes the collective's devices differ along (``comm.op_axes``):
+        e.g. ``"node"`` for a double ring's inter-node hop.  ``mesh``: a ``Mesh`` or a
+        ``{name: size}`` dict."""
+        shape = dict(getattr(mesh, "shape", mesh))
+        n = 1
+        for size in shape.values():
+            n *= size
+        op = CollectiveOp(self.kind, self.collective, self.computation, 0, 0, 1, 0.0,
+                          _replica_groups(self.line, n))
+        return op_axes(op, mesh)
 
     @property
     def compute(self) -> Tuple[str, ...]:
@@ -140,11 +187,14 @@ def overlap_windows(hlo: str) -> List[OverlapWindow]:
         names = {n for n, *_ in instrs}
         opcode = {n: o for n, _, o, _, _ in instrs}
         depends: Dict[str, bool] = {}  # instruction -> depends on kernel compute
+        ancestors: Dict[str, Set[str]] = {}  # instruction -> what it depends on
+        compute_at = [is_compute(op, rest) for _, _, op, rest, _ in instrs]
         for name, _, op, rest, _ in instrs:  # scheduled order: operands come first
             operands = [o for o in re.findall(r"%([\w.\-]+)", _operand_text(rest))
                         if o in names]
             depends[name] = is_compute(op, rest) or any(depends.get(o, False)
                                                        for o in operands)
+            ancestors[name] = set(operands).union(*(ancestors.get(o, ()) for o in operands))
         for i, (name, _, op, rest, line) in enumerate(instrs):
             if op.endswith("-done") or op == "async-done":
                 continue
@@ -160,12 +210,22 @@ def overlap_windows(hlo: str) -> List[OverlapWindow]:
                     if not is_async or j_op.endswith("-done") or j_op == "async-done":
                         end = j
                         break
-            between = tuple((n, o, is_compute(o, r)) for n, _, o, r, _ in instrs[i + 1:end])
+            between = tuple((n, o, compute_at[k])
+                            for k, (n, _, o, _, _) in enumerate(instrs[i + 1:end], i + 1))
             operands = [o for o in re.findall(r"%([\w.\-]+)", _operand_text(rest))
                         if o in names]
             gradient = any(depends.get(o, False) for o in operands)
+            later = [j for j in range(i + 1, len(instrs)) if name in ancestors[instrs[j][0]]]
+            needed = next((j for j in later if compute_at[j]), end)
+            until = tuple((n, o, compute_at[k])
+                          for k, (n, _, o, _, _) in enumerate(instrs[i + 1:needed], i + 1))
+            dependent = {instrs[j][0] for j in later}
+            independent = tuple(n for k, (n, *_) in enumerate(instrs) if compute_at[k]
+                                and n not in dependent and n not in ancestors[name])
+            feeds = tuple(instrs[j][0] for j in later if compute_at[j])
             out.append(OverlapWindow(cname, name, kind, is_async, between, gradient,
-                                     tuple(opcode[o] for o in operands), line))
+                                     tuple(opcode[o] for o in operands), line, until,
+                                     independent, feeds))
     return out
 
 

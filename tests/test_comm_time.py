@@ -53,3 +53,29 @@ def test_comm_model_script_prints_a_model(capsys):
     assert "MODEL (not a measurement)" in out
     for name in ("ring", "double_ring", "burst", "usp (gpu x node)"):
         assert name in out
+
+
+@pytest.mark.parametrize("nodes,gpus", [(2, 4), (4, 2), (8, 8)])
+def test_double_ring_time_matches_table1_with_the_implementations_hops(nodes, gpus):
+    """``double_ring_time`` (bytes from ``costs``, axes overlapped, BurstEngine Fig. 5)
+    against Table 1 with the hops the implementation makes (G - No intra-node, No - 1
+    inter-node): float32 MHA, no latency, so that every hop of a block of one tensor
+    is ``P`` bytes: 6 max(...) for backward="kv" (the DoubleRing row with the gradients
+    overlapped too), the BurstAttention row times 1 + 2/(5D) for "q" (D and lse)."""
+    from jax_seqpar.parallel.comm_time import double_ring_time
+    from jax_seqpar.parallel.costs import AttnShape
+    G, H, D = nodes * gpus, 4, 64
+    shape = AttnShape(1, G * 32, H, H, D, 4)
+    P = 32 * H * D * 4
+    intra, inter = Link(900e9), Link(50e9)
+    axes, links = {"node": nodes, "gpu": gpus}, {"node": inter, "gpu": intra}
+    steps = (G - nodes, nodes - 1)
+    slowest = max(steps[0] * P / intra.bandwidth, steps[1] * P / inter.bandwidth)
+    assert double_ring_time(shape, axes, links, backward="kv") == pytest.approx(6 * slowest)
+    burst = table1_time("burst", nodes=nodes, gpus_per_node=gpus, block_bytes=P,
+                        intra=intra, inter=inter, steps=steps)
+    assert double_ring_time(shape, axes, links, backward="q") == pytest.approx(
+        burst * (1 + 2 / (5 * D)))
+    no_overlap = table1_time("double_ring", nodes=nodes, gpus_per_node=gpus, block_bytes=P,
+                             intra=intra, inter=inter, steps=steps)
+    assert 6 * slowest <= no_overlap  # overlapping the gradients never costs time

@@ -23,12 +23,31 @@ gradients dK, dV (2, summed); BurstAttention moves K, V forward and Q, dQ, dO ba
 For the strategies Table 1 does not cover (``ulysses``, ``usp``) ``axis_time`` adds, per
 mesh axis, the bytes ``costs.bytes_per_axis`` counts over that axis's bandwidth plus one
 latency per collective, with no overlap between axes or with compute.
+
+``strategy="double_ring"`` (``parallel/double_ring.py``) is BurstEngine's topology-aware
+ring, not Table 1's DoubleRing row (DoubleRing Attention, which does not overlap the
+gradients): its intra- and inter-node transfers run concurrently in the forward and the
+backward alike.  ``double_ring_time`` models it from the bytes it actually sends
+(``costs.bytes_per_axis``): per phase, the slower of the two axes, each moving its bytes
+in its hops.  It makes ``G - No`` intra-node and ``No - 1`` inter-node hops (Table 1
+counts ``N_inter`` inter-node steps: the ring's return hop, which the implementation
+does not make; ``table1_time(..., steps=(G - No, No - 1))`` uses the implementation's
+counts).  With those counts, float32 and multi-head attention (so that a float32
+accumulator block weighs ``P`` too), ``double_ring_time`` is, exactly,
+
+* ``backward="kv"``: ``6 max((G - No) T_intra, (No - 1) T_inter)`` (K, V forward; K, V,
+  dK, dV backward, all overlapped): the DoubleRing row's ``4 max + 2 sum`` with the
+  gradients overlapped too;
+* ``backward="q"``: the BurstAttention row times ``1 + 2 / (5 D)``: the row statistics
+  D and lse (two float32 per row, ``2 P / D``) that Table 1 leaves out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional, Tuple
+
+from jax_seqpar.parallel.costs import DoubleRingShape, bytes_per_axis
 
 METHODS = ("ring", "double_ring", "burst")
 
@@ -51,18 +70,22 @@ class Link:
 
 
 def table1_time(method: str, *, nodes: int, gpus_per_node: int, block_bytes: float,
-                intra: Link, inter: Link) -> float:
+                intra: Link, inter: Link, steps: Optional[Tuple[int, int]] = None) -> float:
     """Forward + backward communication time (s) of BurstEngine Table 1's ``method``.
 
     ``block_bytes`` is ``P``: one device's block of one tensor, ``B * (S/G) * H * D * e``.
+    ``steps``: ``(intra-node, inter-node)`` steps; default Table 1's ``(N - N_inter,
+    N_inter)`` (and ``N`` for the flat ring); ``(G - nodes, nodes - 1)`` are the hops
+    the implementation makes (a flat ring then makes their sum).
     """
     G = nodes * gpus_per_node
     t_intra, t_inter = intra.step(block_bytes), inter.step(block_bytes)
     if nodes == 1:  # no inter-node link: every ring is one NVLink ring
         t_inter = t_intra
-    intra_steps, inter_steps = G - nodes, nodes
+    intra_steps, inter_steps = steps if steps is not None else (G - nodes, nodes)
+    ring_steps = G if steps is None else intra_steps + inter_steps
     if method == "ring":
-        return 6 * max(G * t_intra, G * t_inter)
+        return 6 * max(ring_steps * t_intra, ring_steps * t_inter)
     if method == "double_ring":
         return (4 * max(intra_steps * t_intra, inter_steps * t_inter)
                 + 2 * (intra_steps * t_intra + inter_steps * t_inter))
@@ -80,3 +103,36 @@ def axis_time(bytes_by_axis: Dict[str, float], collectives_by_axis: Dict[str, in
                          f"{{axis: Link(bandwidth, latency)}} for every axis")
     return sum(links[a].step(0) * collectives_by_axis.get(a, 0) + b / links[a].bandwidth
                for a, b in bytes_by_axis.items())
+
+
+def overlapped_time(bytes_by_axis: Dict[str, float], hops_by_axis: Dict[str, int],
+                    links: Dict[str, Link]) -> float:
+    """One phase whose mesh axes move their bytes concurrently: the slowest axis's
+    ``hops * latency + bytes / bandwidth`` (s)."""
+    missing = set(bytes_by_axis) - set(links)
+    if missing:
+        raise ValueError(f"no Link given for mesh axes {sorted(missing)}; pass links="
+                         f"{{axis: Link(bandwidth, latency)}} for every axis")
+    return max((links[a].latency * hops_by_axis.get(a, 0) + b / links[a].bandwidth
+                for a, b in bytes_by_axis.items()), default=0.0)
+
+
+def double_ring_time(shape, axes: Dict[str, int], links: Dict[str, Link], *,
+                     backward: str = "q", chains=None) -> float:
+    """Forward + backward communication time (s) of ``strategy="double_ring"``: the
+    bytes ``costs.bytes_per_axis`` counts, both axes overlapped in each phase (BurstEngine
+    Fig. 5).  ``shape``: ``costs.AttnShape``; ``axes``: ``{outer: No, inner: Ni}``;
+    ``chains``: ``schedule.DoubleRingSchedule.chains()`` (default: the whole double ring).
+    A hop's latency is paid once per hop (the arrays of a hop travel together), and
+    each accumulator chain's hop home once more in the backward."""
+    outer, inner = axes
+    No, Ni = axes[outer], axes[inner]
+    b = bytes_per_axis("double_ring", shape, axes, backward=backward, chains=chains)
+    oc, ic = chains if chains is not None else (None, None)
+    s = DoubleRingShape(No, Ni, shape.batch, shape.tokens(No * Ni), shape.q_heads,
+                        shape.kv_heads, shape.head_dim, shape.itemsize, shape.has_segments,
+                        oc, ic)
+    (ho, hi), (co, ci) = s.hops(), s.chain_count()
+    fwd = overlapped_time(b["forward"], {outer: ho, inner: hi}, links)
+    bwd = overlapped_time(b["backward"], {outer: ho + co, inner: hi + ci}, links)
+    return fwd + bwd

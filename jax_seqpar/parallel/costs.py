@@ -72,27 +72,111 @@ def _seg(s: RingShape) -> int:
     return s.batch * s.tokens * 4 if s.has_segments else 0
 
 
+def _hop(phase: str, s) -> Tuple[int, int]:
+    """``(bytes of the block that travels one hop, elements of its float32 accumulator)``
+    in ``phase``: ``"forward"``, or the backward scheme ``"kv"`` / ``"q"``."""
+    B, T, D = s.batch, s.tokens, s.head_dim
+    if phase == "forward":
+        return 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s), 0
+    if phase == "kv":
+        return 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s), 2 * B * T * s.kv_heads * D
+    if phase == "q":
+        rows = B * T * s.q_heads * D * s.itemsize if s.o_travels else B * s.q_heads * T * ACC_BYTES
+        travel = (2 * B * T * s.q_heads * D * s.itemsize + B * s.q_heads * T * ACC_BYTES + rows
+                  + _seg(s))
+        return travel, B * T * s.q_heads * D
+    raise ValueError(f"unknown backward scheme {phase!r}; choose 'kv' or 'q'")
+
+
+def _chains(chains, travel: int, acc_elems: int, home_itemsize: int) -> int:
+    """Bytes of hop chains: each of ``n`` hops moves the block, its accumulator rides
+    ``n - 1`` hops in float32 and takes one hop home at ``home_itemsize`` per element."""
+    return sum(n * travel + (n - 1) * acc_elems * ACC_BYTES + acc_elems * home_itemsize
+               for n in chains if n)
+
+
 def forward_bytes(s: RingShape) -> int:
     """Bytes one device sends in the ring forward."""
-    kv = 2 * s.batch * s.tokens * s.kv_heads * s.head_dim * s.itemsize
-    return sum(s.chains) * (kv + _seg(s))
+    return _chains(s.chains, _hop("forward", s)[0], 0, 0)
 
 
 def backward_bytes(scheme: str, s: RingShape) -> int:
     """Bytes one device sends in the ring backward with ``scheme`` in {"kv", "q"}."""
-    B, T, D = s.batch, s.tokens, s.head_dim
-    if scheme == "kv":
-        travel = 2 * B * T * s.kv_heads * D * s.itemsize + _seg(s)
-        acc_elems = 2 * B * T * s.kv_heads * D
-    elif scheme == "q":
-        rows = B * T * s.q_heads * D * s.itemsize if s.o_travels else B * s.q_heads * T * ACC_BYTES
-        travel = (2 * B * T * s.q_heads * D * s.itemsize + B * s.q_heads * T * ACC_BYTES + rows
-                  + _seg(s))
-        acc_elems = B * T * s.q_heads * D
-    else:
+    if scheme not in ("kv", "q"):
         raise ValueError(f"unknown backward scheme {scheme!r}; choose 'kv' or 'q'")
-    return sum(n * travel + (n - 1) * acc_elems * ACC_BYTES + acc_elems * s.itemsize
-               for n in s.chains)
+    if isinstance(s, DoubleRingShape):
+        return sum(double_ring_bytes(scheme, s))
+    return _chains(s.chains, *_hop(scheme, s), s.itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class DoubleRingShape:
+    """Per-device shapes and hop chains of a double-ring call (``double_ring.py``):
+    ``nodes x local`` devices, ``outer_chains`` the inter-node chains of rounds,
+    ``intra_chains`` the intra-node chains of each visited round, round 0 first
+    (``schedule.DoubleRingSchedule.chains``; default: the whole double ring)."""
+
+    nodes: int
+    local: int
+    batch: int
+    tokens: int          # per device (T = S / (nodes * local))
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    has_segments: bool = False
+    outer_chains: Optional[Tuple[int, ...]] = None
+    intra_chains: Optional[Tuple[Tuple[int, ...], ...]] = None
+    o_travels: bool = False
+
+    def __post_init__(self):
+        for f in ("nodes", "local", "batch", "tokens", "q_heads", "kv_heads", "head_dim",
+                  "itemsize"):
+            val = getattr(self, f)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{f}={val!r} must be a positive int")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads={self.q_heads} must be a multiple of "
+                             f"kv_heads={self.kv_heads}")
+        full = (self.local - 1,) if self.local > 1 else ()
+        if self.outer_chains is None:
+            object.__setattr__(self, "outer_chains",
+                               (self.nodes - 1,) if self.nodes > 1 else ())
+        if self.intra_chains is None:
+            object.__setattr__(self, "intra_chains",
+                               (full,) * (1 + sum(self.outer_chains)))
+        if len(self.intra_chains) != 1 + sum(self.outer_chains):
+            raise ValueError(f"intra_chains={self.intra_chains!r} must list one round per "
+                             f"visited round: 1 + sum(outer_chains) = "
+                             f"{1 + sum(self.outer_chains)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.local
+
+    def hops(self) -> Tuple[int, int]:
+        """``(inter-node, intra-node)`` hops of a block (``No - 1``, ``G - No`` in full)."""
+        return sum(self.outer_chains), sum(sum(c) for c in self.intra_chains)
+
+    def chain_count(self) -> Tuple[int, int]:
+        """``(inter-node, intra-node)`` chains: each ends with one hop home in a backward."""
+        return (len([n for n in self.outer_chains if n]),
+                sum(len([n for n in c if n]) for c in self.intra_chains))
+
+
+def double_ring_bytes(phase: str, s: DoubleRingShape) -> Tuple[int, int]:
+    """``(outer, inner)`` bytes one device sends in ``phase`` ("forward", "kv", "q").
+
+    Inter-node: the outer chains, their accumulators homed in the input dtype.
+    Intra-node: every visited round's chains; round 0's accumulators (this device's own
+    block, final) home in the input dtype, the other rounds' in float32 (they join the
+    inter-node accumulator).
+    """
+    travel, acc = _hop(phase, s)
+    outer = _chains(s.outer_chains, travel, acc, s.itemsize)
+    inner = sum(_chains(c, travel, acc, s.itemsize if r == 0 else ACC_BYTES)
+                for r, c in enumerate(s.intra_chains))
+    return outer, inner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +187,11 @@ class BackwardChoice:
     q_bytes: int
 
 
-def choose_backward(s: RingShape, *, link_bytes_per_s: Optional[float] = None) -> BackwardChoice:
+def choose_backward(s, *, link_bytes_per_s: Optional[float] = None) -> BackwardChoice:
     """Pick the backward scheme that sends fewer bytes per device (ties go to "kv").
+
+    ``s`` is a ``RingShape`` or a ``DoubleRingShape`` (bytes of both mesh axes added:
+    per hop the two schemes' ratio is nearly the same on either axis).
 
     Both schemes run the same FLOPs over the same links, so a link bandwidth scales
     their transfer times alike: when given, it only adds the estimated time per scheme
@@ -144,6 +231,19 @@ def choose_backward(s: RingShape, *, link_bytes_per_s: Optional[float] = None) -
 #   the ulysses volumes on ``inner`` with ``T = S / (No Ni)``, and on ``outer`` the ring
 #   volumes of a ring of ``No`` devices holding ``S / No`` tokens and ``Hq / Ni``,
 #   ``Hkv / Ni`` heads (``forward_bytes`` / ``backward_bytes``).
+# * double_ring (BurstEngine §3.1, Fig. 4; ``double_ring.py``) on ``No`` nodes x ``Ni``
+#   local devices, ``T = S / (No Ni)``: the ring's hop volumes (``_hop``: a block ``t``
+#   and an accumulator of ``a`` float32 elements per hop) on two axes.  With the whole
+#   double ring (dense or causal masks) and ``No, Ni >= 2``, per device and call:
+#     outer: ``(No-1) t + (No-2) 4a + a e``          (one chain of No-1 rounds)
+#     inner: ``No (Ni-1) t + No (Ni-2) 4a + a e + (No-1) 4a``
+#            (an intra-node chain of Ni-1 hops in each of the No rounds; the hop home of
+#            round 0's accumulator in the input dtype, of the other rounds' in float32)
+#   with ``t = 2 B T Hkv D e (+ 4 B T ids)``, ``a = 0`` forward;
+#   ``t`` the same and ``a = 2 B T Hkv D`` for backward "kv";
+#   ``t = 2 B T Hq D e + 2 * 4 B Hq T (+ ids)``, ``a = B T Hq D`` for backward "q".
+#   ``G - No`` intra-node and ``No - 1`` inter-node hops: the 1-D ring's ``G - 1``.
+#   Sliding windows shorten the chains (``schedule.double_ring_schedule``).
 
 PHASES = ("forward", "backward")
 
@@ -212,10 +312,23 @@ def bytes_per_axis(strategy: str, s: AttnShape, axes: Dict[str, int], *,
     """``{"forward": {axis: bytes}, "backward": {axis: bytes}}`` one device sends.
 
     ``axes`` maps mesh axis names to sizes, in ``axis_name`` order: one axis for ring,
-    allgather, tree and ulysses, ``{outer: No, inner: Ni}`` for usp.  ``backward`` and
-    ``chains`` (``schedule.ring_schedule``; default the whole ring) describe the ring.
+    allgather, tree and ulysses, ``{outer: No, inner: Ni}`` for usp and double_ring.
+    ``backward`` and ``chains`` (``schedule.ring_schedule``; default the whole ring)
+    describe the ring; for double_ring ``chains`` is ``(outer_chains, intra_chains)``
+    (``schedule.DoubleRingSchedule.chains``).
     """
     names = tuple(axes)
+    if strategy == "double_ring":
+        if len(names) != 2:
+            raise ValueError(f"double_ring needs axes={{outer: No, inner: Ni}}; got {axes!r}")
+        outer, inner = names
+        No, Ni = axes[outer], axes[inner]
+        oc, ic = chains if chains is not None else (None, None)
+        shape = DoubleRingShape(No, Ni, s.batch, s.tokens(No * Ni), s.q_heads, s.kv_heads,
+                                s.head_dim, s.itemsize, s.has_segments, oc, ic, o_travels)
+        out = {p: double_ring_bytes(ph, shape)
+               for p, ph in (("forward", "forward"), ("backward", backward))}
+        return {p: {outer: b[0], inner: b[1]} for p, b in out.items()}
     if strategy == "usp":
         if len(names) != 2:
             raise ValueError(f"usp needs axes={{outer: No, inner: Ni}}; got {axes!r}")

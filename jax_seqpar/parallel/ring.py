@@ -27,25 +27,23 @@ Backward (``custom_vjp``), along the same chains:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
-from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE, AttnConfig,
-                                        axis_size, make_config, ring_shift, send)
+from jax_seqpar.parallel.common import FWD_SCOPE, AttnConfig, axis_size, make_config
 from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
+from jax_seqpar.parallel.ring_common import chain, make_ring_vjp
 
 F32 = jnp.float32
 
@@ -134,61 +132,11 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
 
     o, lse = visit(o, lse, (k, v, seg), idx, same=True)
     for direction, n in _schedule(cfg, T, G).chains():
-        block = ring_shift((k, v, seg), cfg.axis_name, G, reverse=direction < 0)
-        for hop in range(1, n + 1):
-            # issue the next transfer before computing on the block in hand (overlap)
-            nxt = ring_shift(block, cfg.axis_name, G, reverse=direction < 0) if hop < n else None
-            o, lse = visit(o, lse, block, (idx - direction * hop) % G)
-            block = nxt
+        def hop_visit(block, hop, home, direction=direction):
+            return None, visit(*home, block, (idx - direction * hop) % G)
+
+        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (k, v, seg), hop_visit, (o, lse))
     return o, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: AttnConfig, q, k, v, seg):
-    o, _ = _ring_forward(cfg, q, k, v, seg)
-    return o.astype(q.dtype)
-
-
-def _ring_fwd(cfg, q, k, v, seg):
-    o, lse = _ring_forward(cfg, q, k, v, seg)
-    # Named, so that a checkpoint policy can keep the residuals (jax_seqpar.remat).
-    o = checkpoint_name(o.astype(q.dtype), ATTN_OUT)
-    lse = checkpoint_name(lse, ATTN_LSE)
-    return o, (q, k, v, seg, o, lse)
-
-
-def _ring_bwd(cfg, res, do):
-    q, k, v, seg, o, lse = res
-    bwd = {"kv": _backward_kv, "q": _backward_q}[cfg.backward]
-    with jax.named_scope(BWD_SCOPE):
-        dq, dk, dv = bwd(cfg, q, k, v, seg, o, lse, do)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _chain(cfg: AttnConfig, G: int, direction: int, n: int, travel, visit, home, acc_like):
-    """Move ``travel`` ``n`` hops in ``direction`` and visit each device on the way.
-
-    ``visit(block, hop, home) -> (contrib, home)`` computes one tile: ``contrib`` (float32)
-    adds to the travelling block's accumulator, which rides along with the block and at
-    the end takes one direct hop home, cast to the dtypes of ``acc_like``; ``home`` is
-    the state that stays on this device.  Returns ``(accumulator of this device's own
-    block, home)``.
-    """
-    rev = direction < 0
-    block = ring_shift(travel, cfg.axis_name, G, reverse=rev)
-    acc = None
-    for hop in range(1, n + 1):
-        nxt = ring_shift(block, cfg.axis_name, G, reverse=rev) if hop < n else None
-        contrib, home = visit(block, hop, home)
-        acc = contrib if acc is None else jax.tree.map(jnp.add, acc, contrib)
-        if hop < n:
-            acc = ring_shift(acc, cfg.axis_name, G, reverse=rev)
-        block = nxt
-    acc = jax.tree.map(lambda a, like: a.astype(like.dtype), acc, acc_like)
-    return send(acc, cfg.axis_name, G, -direction * n), home
 
 
 def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
@@ -215,8 +163,8 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
                                         same=False, o=o_home)
             return (dk_s, dv_s), dq + dq_s
 
-        (dk_home, dv_home), dq = _chain(cfg, G, direction, n, (jnp.stack([k, v]), seg),
-                                        visit, dq, (k, v))
+        (dk_home, dv_home), dq = chain(cfg.axis_name, G, direction, n,
+                                       (jnp.stack([k, v]), seg), visit, dq, (k.dtype, v.dtype))
         dk, dv = dk + dk_home, dv + dv_home
     return dq, dk, dv
 
@@ -254,7 +202,10 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
             return dq_s, (dkv[0] + dk_s, dkv[1] + dv_s)
 
         rows = o if needs_o else delta
-        dq_home, (dk, dv) = _chain(cfg, G, qdir, n, (q, do, rows, lse, seg), visit,
-                                   (dk, dv), q)
+        dq_home, (dk, dv) = chain(cfg.axis_name, G, qdir, n, (q, do, rows, lse, seg), visit,
+                                  (dk, dv), q.dtype)
         dq = dq + dq_home
     return dq, dk, dv
+
+
+_ring, _ring_fwd, _ring_bwd = make_ring_vjp(_ring_forward, {"kv": _backward_kv, "q": _backward_q})

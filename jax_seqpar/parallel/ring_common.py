@@ -1,0 +1,100 @@
+"""What the rings share (``ring.py``, ``double_ring.py``): hop chains, and the custom_vjp.
+
+``chain`` moves a block hop by hop along one mesh axis and visits every device on the
+way; in a backward it also carries the block's float32 gradient accumulator, which
+collects each visited device's contribution and at the end takes one direct hop home.
+The next hop of the block is issued before the block in hand is computed on, and an
+accumulator is sent on only after its own tile: the activation and gradient overlap of
+BurstEngine §3.1, Fig. 5 (a gradient waits for one round of compute, the "warm-up").
+The double ring nests two chains: an inter-node chain whose every visit is a round of
+intra-node chains.
+
+``make_ring_vjp`` wraps a ring's forward and its two backwards (``"kv"``, ``"q"``) into
+one ``custom_vjp`` that saves only ``(o, lse)`` besides the inputs, tagged with
+``checkpoint_name`` (``ATTN_OUT``, ``ATTN_LSE``) so that the remat policies can keep them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, AxisName, ring_shift,
+                                        send)
+
+
+def add(a, b):
+    """``a + b`` for pytrees of arrays, where ``None`` stands for zero."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return jax.tree.map(jnp.add, a, b)
+
+
+def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, home,
+          home_dtypes=None, *, visit_start: bool = False):
+    """Move ``travel`` ``n`` hops in ``direction`` along ``axis_name`` (``num`` devices)
+    and visit each device on the way.
+
+    ``visit(block, hop, home) -> (contrib, home)`` computes one tile with the block that
+    arrived after ``hop`` hops; ``home`` is the state that stays on this device.  With
+    ``visit_start``, ``visit(travel, 0, home)`` runs too, once the first hop is issued
+    (its ``contrib`` is ignored: it is this device's own, and stays in ``home``).
+
+    ``home_dtypes`` (a pytree of dtypes shaped like ``contrib``): ``contrib`` (float32)
+    adds to the travelling block's accumulator, created at the first device it visits;
+    after the last visit the accumulator takes one direct hop home, cast to
+    ``home_dtypes``.  Returns ``(accumulator of this device's own block, home)``; without
+    ``home_dtypes`` there is no accumulator and the first element is ``None``.
+    """
+    rev = direction < 0
+    block = ring_shift(travel, axis_name, num, reverse=rev)
+    if visit_start:  # computed while the first hop is in flight
+        _, home = visit(travel, 0, home)
+    acc = None
+    for hop in range(1, n + 1):
+        # issue the next transfer before computing on the block in hand (overlap)
+        nxt = ring_shift(block, axis_name, num, reverse=rev) if hop < n else None
+        contrib, home = visit(block, hop, home)
+        if home_dtypes is not None:
+            acc = add(acc, contrib)  # the received accumulator waits for this tile
+            if hop < n:
+                acc = ring_shift(acc, axis_name, num, reverse=rev)
+        block = nxt
+    if home_dtypes is None:
+        return None, home
+    acc = jax.tree.map(lambda a, dt: a.astype(dt), acc, home_dtypes)
+    return send(acc, axis_name, num, -direction * n), home
+
+
+def make_ring_vjp(forward: Callable, backwards: Dict[str, Callable]):
+    """``(attn, attn_fwd, attn_bwd)``: ``attn(cfg, q, k, v, seg)`` with a ``custom_vjp``.
+
+    ``forward(cfg, q, k, v, seg) -> (o, lse)`` (float32); ``backwards[cfg.backward](cfg,
+    q, k, v, seg, o, lse, do) -> (dq, dk, dv)`` (any float dtype; cast here).
+    """
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attn(cfg, q, k, v, seg):
+        o, _ = forward(cfg, q, k, v, seg)
+        return o.astype(q.dtype)
+
+    def attn_fwd(cfg, q, k, v, seg):
+        o, lse = forward(cfg, q, k, v, seg)
+        # Named, so that a checkpoint policy can keep the residuals (jax_seqpar.remat).
+        o = checkpoint_name(o.astype(q.dtype), ATTN_OUT)
+        lse = checkpoint_name(lse, ATTN_LSE)
+        return o, (q, k, v, seg, o, lse)
+
+    def attn_bwd(cfg, res, do):
+        q, k, v, seg, o, lse = res
+        with jax.named_scope(BWD_SCOPE):
+            dq, dk, dv = backwards[cfg.backward](cfg, q, k, v, seg, o, lse, do)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+    attn.defvjp(attn_fwd, attn_bwd)
+    return attn, attn_fwd, attn_bwd
