@@ -14,7 +14,9 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
   (half of it causal), 2.5x that for the backward (FlashAttention-2 convention).
 * ``pair``: cuDNN and the chosen backends (``--bench-kernels``), forward and
   forward+backward, timed in rotation over ``--rounds`` rounds (clock drift hits all
-  alike); medians and median ratios to cuDNN.
+  alike); medians and median ratios to cuDNN.  ``--mgpu-variant NAME:field=value``
+  adds a ``pallas_mgpu`` backend with changed config fields, to check and time a change
+  against the defaults in the same run.
 * ``ring``: causal ring attention (zigzag and striped, tokens in layout order), forward +
   backward at ``--ring-seq`` tokens on all GPUs with each of ``--ring-kernels``, against
   one GPU running cuDNN on the whole sequence, with the error against cuDNN.
@@ -50,7 +52,7 @@ import numpy as np  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel  # noqa: E402
-from jax_seqpar.kernels import PallasMgpuKernel  # noqa: E402
+from jax_seqpar.kernels import MgpuConfig, PallasMgpuKernel  # noqa: E402
 from jax_seqpar.kernels.pallas_mgpu import is_hopper  # noqa: E402
 from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
@@ -100,6 +102,36 @@ CHECK_CASES = {
     "striped_shard": (1, 256, 256, 4, 4, "striped", True, None, False),
     "masked_rows": (1, 128, 256, 4, 2, "masked_rows", True, None, False),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuVariant(PallasMgpuKernel):
+    """``pallas_mgpu`` with some fields of the per-head-dim default config replaced
+    (``--mgpu-variant``), to compare a change against the defaults in one run."""
+
+    overrides: tuple = ()
+
+    def _config(self, head_dim):
+        from jax_seqpar.kernels.pallas_mgpu_common import DEFAULT_MGPU_CONFIGS
+        return dataclasses.replace(DEFAULT_MGPU_CONFIGS[head_dim], **dict(self.overrides))
+
+
+def parse_mgpu_variant(text):
+    """``"NAME:field=value,field=value"`` -> ``(NAME, MgpuVariant)``; values are ints or
+    true/false."""
+    name, _, spec = text.partition(":")
+    fields = {f.name for f in dataclasses.fields(MgpuConfig)}
+    over = []
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"--mgpu-variant {text!r}: {key!r} is not an MgpuConfig field "
+                             f"({sorted(fields)})")
+        low = val.lower()
+        over.append((key, low == "true" if low in ("true", "false") else int(val)))
+    if not name or not over:
+        raise ValueError(f"--mgpu-variant {text!r}: expected NAME:field=value[,...]")
+    return name, MgpuVariant(name=name, overrides=tuple(over))
 
 
 def _positions(kind, Tq, Tk):
@@ -410,6 +442,10 @@ def main():
     p.add_argument("--ring-seq", type=int, default=131072, help="ring: total tokens")
     p.add_argument("--bench-kernels", default=None,
                    help="backends for bench besides cuDNN (default: all available)")
+    p.add_argument("--mgpu-variant", action="append", default=[],
+                   help="NAME:field=value,...: a pallas_mgpu backend whose per-head-dim "
+                        "default MgpuConfig has these fields replaced, usable by NAME in "
+                        "--check-kernels and --bench-kernels (e.g. atomic:atomic_dq=true)")
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     phases = (args.phases or ("check,sweep,bench,ring" if on_gpu else "check")).split(",")
@@ -417,6 +453,12 @@ def main():
     info = env_info()
     print(f"# {info}; phases {phases}")
     kernels = backends(on_gpu)
+    for text in args.mgpu_variant:
+        try:
+            name, kern = parse_mgpu_variant(text)
+        except ValueError as e:
+            p.error(str(e))
+        kernels[name] = kern
     result = {"env": info}
     path = os.path.join(out_dir(), f"kernels_{'gpu' if on_gpu else 'cpu'}.json")
     ok = True

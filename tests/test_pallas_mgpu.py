@@ -8,6 +8,9 @@ shared-memory budget, the launch order and the refusals.  Their numerics are che
 an H200 by ``benchmarks/kernels.py --phases check`` (42 of 42 cases, RESULTS.md).
 """
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +44,8 @@ def _request(**kw):
     (dict(block_kv_bwd=32), "multiple of 64"),
     (dict(num_stages=1), ">= 2"),
     (dict(block_kv=True), "positive int"),
+    (dict(dq_cols=96), "multiple of 64"),
+    (dict(atomic_dq=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -55,6 +60,17 @@ def test_default_configs_fit_shared_memory(D, dtype):
     cfg = DEFAULT_MGPU_CONFIGS[D]
     assert forward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT
     assert (backward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT) == (D != 256)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_atomic_dq_shared_memory(D):
+    """The atomic-dQ dK/dV CTA adds each consumer's dS^T tile and float32 dQ block to the
+    two-kernel one's, and still fits at D = 64 and 128."""
+    two = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], atomic_dq=False)
+    one = dataclasses.replace(two, atomic_dq=True)
+    extra = 2 * 64 * (64 * 2 + D * 4)
+    kv_ring = 2 * 2 * 64 * D * 2 + 2 * 64 * (2 * D * 2 + 8)
+    assert backward_smem_bytes(one, D, "bfloat16") == kv_ring + extra <= SMEM_LIMIT
 
 
 def test_launch_order_puts_the_longest_rows_first():
@@ -127,10 +143,13 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
-    bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
-        q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=cfg), q, kv, kv, q, lse, q, *pos,
-        *segs)
-    assert bwd.count("mosaic_gpu") >= 2  # dK/dV and dQ
+    for atomic in (False, True):
+        c = dataclasses.replace(cfg, atomic_dq=atomic)
+        bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
+            q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=c), q, kv, kv, q, lse, q,
+            *pos, *segs)
+        # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
+        assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
 
 
 @pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])
@@ -145,3 +164,20 @@ def test_ring_with_the_kernel_lowers_for_cuda(layout, backward):
                              ).astype(jnp.float32).sum()
     txt = _lowered(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
     assert txt.count("mosaic_gpu") >= 3
+
+
+def test_benchmark_variants_replace_fields_of_the_per_dim_default():
+    """``benchmarks/kernels.py --mgpu-variant NAME:field=value``: the comparison the
+    atomic-dQ default was chosen by (RESULTS.md) keeps every other field per head dim."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernels as kb
+    name, kern = kb.parse_mgpu_variant("two:atomic_dq=false,block_kv_dq=64")
+    assert name == kern.name == "two"
+    for D in (64, 128):
+        assert kern._config(D) == dataclasses.replace(
+            DEFAULT_MGPU_CONFIGS[D], atomic_dq=False, block_kv_dq=64)
+    for bad in ("two:nope=1", "two", "two:block_q=x"):
+        with pytest.raises(ValueError):
+            kb.parse_mgpu_variant(bad)

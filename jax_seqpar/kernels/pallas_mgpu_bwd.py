@@ -17,11 +17,16 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
 * ``dQ`` (``_dq_call``): the forward's layout -- one CTA per (block of ``2 * block_q_bwd``
   queries, query head, batch row), two consumers, a producer streaming K and V blocks of
   the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.
+* With ``MgpuConfig.atomic_dq`` there is no dQ kernel: each consumer of the dK/dV kernel
+  stages its ``dS^T`` block in shared memory, multiplies ``dS K`` (in ``dq_cols``-column
+  parts) and adds the float32 product into a zeroed dQ in global memory with a TMA
+  reduce-add, as FlashAttention-3's backward does (two of the seven matmuls per tile
+  saved, at the price of a summation order that varies from run to run).
 
 The first ``n_full`` entries of each tile-list row run without mask code, the rest
 evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
-(they saw nothing) give ``P = 0``.  Gradients come back in the input dtype (as cuDNN's)
-and the backend casts them to float32.
+(they saw nothing) give ``P = 0``.  dK and dV (and dQ of the two-kernel path) come back
+in the input dtype, as cuDNN's, and are cast to float32; atomic dQ stays float32.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,7 +48,8 @@ from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- dK, dV
 def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
-               mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig):
+               mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
+               dq_acc=None):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     B, Lq, Hq, D = q.shape
@@ -51,13 +58,18 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     dtype = q.dtype
     bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
     has_seg = q_seg is not None
+    with_dq = dq_acc is not None
+    dq_cols = min(D, config.dq_cols) if with_dq else D
+    if D % dq_cols:
+        raise ValueError(f"MgpuConfig.dq_cols={config.dq_cols} must divide the head dim {D}")
+    n_chunks = D // dq_cols
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
-               kvpos_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, scoped):
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem), \
+               kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem), \
             (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free) = scoped
         b = lax.axis_index("batch")
         kvh = lax.axis_index("heads")
@@ -109,12 +121,43 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(do_free.at[slot])
                 plgpu.barrier_wait(dl_ready.at[slot])
                 dl = _load(dl_smem.at[slot], COL, gmem=False)
-                ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))
+                ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
+                if not with_dq:
+                    def dk_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, ds, q_smem.at[slot])
+                    dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    return dk, dv
+                # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
+                dsw = ds_smem.at[wg]
+                dsw[...] = ds
+                plgpu.commit_smem()
+                dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
+                zq = plgpu.layout_cast(jnp.full((bq, dq_cols), 0.0, F32), WGMMA)
 
-                def dk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), q_smem.at[slot])
-                dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+                def dq_part(acc_ref, ch):  # dQ[:, columns ch] += dS K[:, columns ch]
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(dsw, (1, 0)),
+                                kw.at[:, pl.ds(ch * dq_cols, dq_cols)] if n_chunks > 1 else kw)
+
+                def dk_dq(refs):
+                    dk_ref_, dq_ref_ = refs
+                    plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
+                    dq_part(dq_ref_, 0)
+                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
+                for ch in range(n_chunks):
+                    if ch:
+                        dq = pl.run_state(functools.partial(dq_part, ch=ch))(
+                            plgpu.ACC.init(zq))
+                    # the previous block's reduce-add of this chunk must have read its
+                    # buffer (groups complete in order; the later n_chunks - 1 may pend)
+                    plgpu.wait_smem_to_gmem(n_chunks - 1, wait_read_only=True)
+                    dqw = dq_smem.at[wg, ch]
+                    dqw[...] = dq
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        dqw, dst.at[:, pl.ds(ch * dq_cols, dq_cols)] if n_chunks > 1 else dst,
+                        reduction_op="add")
                 return dk, dv
 
             def head(hh, carry):
@@ -160,8 +203,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.barrier_wait(do_free.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
 
+    n_in = 10 + 2 * has_seg
+
     def entry(*refs):
-        ins = refs[:12] if has_seg else refs[:10] + (None, None)
+        ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
+        dq_ref = refs[n_in] if with_dq else None
         dk_ref, dv_ref = refs[-2:]
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
@@ -170,8 +216,13 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bq), F32),
                 plgpu.SMEM((stages, bq), F32))
+        if with_dq:
+            swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+            smem += (plgpu.SMEM((2, bk, bq), dtype, transforms=swz),
+                     plgpu.SMEM((2, n_chunks, bq, dq_cols), F32, transforms=swz32))
+        pad = () if with_dq else (None, None)
         pl.run_scoped(
-            lambda *scoped: kernel(*ins, dk_ref, dv_ref, scoped),
+            lambda sm, *bars: kernel(*ins, dq_ref, dk_ref, dv_ref, ((*sm, *pad), *bars)),
             smem,
             (plgpu.Barrier(num_arrivals=2, num_barriers=2),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -183,11 +234,15 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
         [q_seg, kv_seg] if has_seg else [])
     args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
-    return plgpu.kernel(
-        entry, out_type=out_type, grid=(Hkv, Lk // (2 * bk), B),
-        grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(*args)
+    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
+                num_threads=3, thread_name="wg")
+    params = plgpu.CompilerParams(approx_math=True)
+    if not with_dq:
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=params, **grid)(*args)
+    # dQ is a mutable Ref, read and written in place: ``pl.kernel`` on a Mosaic GPU mesh
+    # takes Ref operands (plgpu.kernel's batching wrapper does not)
+    return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
+                     compiler_params=params)(*args, dq_acc)
 
 
 # --------------------------------------------------------------------------- dQ
@@ -340,8 +395,15 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
     pos_masked = mask.right_limit is not None or mask.left_limit is not None or has_seg
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True)
-    dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs, mask=mask,
-                        scale=scale, masked=pos_masked, config=config)
+    if config.atomic_dq:
+        dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
+        dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
+                            kv_pos, *segs, mask=mask, scale=scale, masked=pos_masked,
+                            config=config, dq_acc=dq_acc)
+        dq = dq_acc[...][:, :Tq] * scale
+        return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
+    dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
+                        *segs, mask=mask, scale=scale, masked=pos_masked, config=config)
     tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg)
     dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
                   mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk_dq != 0,

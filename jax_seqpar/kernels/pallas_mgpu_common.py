@@ -32,6 +32,10 @@ class MgpuConfig:
     ``*_bwd``: the same for the backward's dK/dV kernel (``block_kv_bwd`` keys per
     consumer, query blocks of ``block_q_bwd`` streamed); ``block_kv_dq``: keys per stage
     of the dQ kernel (whose consumers hold ``block_q_bwd`` queries each).
+    ``atomic_dq``: accumulate dQ inside the dK/dV kernel (as FlashAttention-3's backward
+    does: each consumer adds its ``dS K`` block into a float32 dQ in global memory with a TMA
+    reduce-add) instead of a second kernel that recomputes ``P`` and ``dP``; ``dq_cols``:
+    the columns of dQ one such product covers (fewer keep fewer registers live).
     """
 
     block_q: int = 64
@@ -41,13 +45,20 @@ class MgpuConfig:
     block_kv_bwd: int = 64
     num_stages_bwd: int = 2
     block_kv_dq: int = 64
+    atomic_dq: bool = False
+    dq_cols: int = 64
 
     def __post_init__(self):
+        if not isinstance(self.atomic_dq, bool):
+            raise ValueError(f"MgpuConfig.atomic_dq={self.atomic_dq!r} must be a bool")
         for f in dataclasses.fields(self):
+            if f.name == "atomic_dq":
+                continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"MgpuConfig.{f.name}={val!r} must be a positive int")
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_kv_dq"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_kv_dq",
+                     "dq_cols"):
             if getattr(self, name) % 64:
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)} must be a "
                                  f"multiple of 64 (wgmma tiles)")
@@ -59,10 +70,14 @@ class MgpuConfig:
 
 #: Per-head-dim defaults.  Backward sweep on one H200 at S = 16k (results/
 #: mgpu_bwd_sweep16k_h200.json, timed in rotation): dQ stages of 128 keys beat 64 by
-#: 1-3%, a third backward stage lost 4-8%.  D = 256 runs the Triton backward (the
+#: 1-3%, a third backward stage lost 4-8%.  ``atomic_dq`` (results/mgpu_atomic_dq*_h200.json,
+#: fwd+bwd at 16k in rotation with cuDNN): at D = 64 it lifts the backward from 0.84 / 0.89x
+#: cuDNN (non-causal / causal) to 0.97 / 0.99x; at D = 128 it loses (0.73-0.80x against
+#: the two kernels' 0.88-0.96x: dK, dV and dQ accumulators do not fit the registers
+#: together, even with dQ in 64-column parts).  D = 256 runs the Triton backward (the
 #: Mosaic GPU one does not fit shared memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
-    64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128),
+    64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
     128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128),
     256: MgpuConfig(block_q=64, block_kv=64, num_stages=2),
 }
@@ -79,10 +94,14 @@ def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     """Shared memory of the larger backward CTA: dK/dV (the K and V of its two consumers,
-    the Q, dO, lse and delta rings) or dQ (two Q and dO blocks, the K and V rings)."""
+    the Q, dO, lse and delta rings; with ``atomic_dq`` also each consumer's dS tile and
+    float32 dQ block) or dQ (two Q and dO blocks, the K and V rings)."""
     item = jnp.dtype(dtype).itemsize
     kv = 2 * 2 * config.block_kv_bwd * head_dim * item
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
+    if config.atomic_dq:
+        ds_dq = 2 * config.block_q_bwd * (config.block_kv_bwd * item + head_dim * 4)
+        return kv + ring + ds_dq
     dq = (2 * 2 * config.block_q_bwd + 2 * config.num_stages_bwd * config.block_kv_dq) \
         * head_dim * item
     return max(kv + ring, dq)
