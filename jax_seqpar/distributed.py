@@ -274,9 +274,10 @@ def shutdown() -> None:
     it the processes tear their runtime down in whatever order they exit, and the
     coordinator can go while the others still watch it: each then logs gRPC errors
     (``WatchTasksAsync failed ... CANCELLED``) on a run that succeeded.  After an uncaught
-    exception it does nothing: the failing process exits at once and loudly, and the
-    launcher (or the cluster) stops the others, instead of this one waiting at a barrier
-    the others never reach.
+    exception in a job of several processes, the traceback is printed and the process
+    exits at once with code 1, skipping the exit handlers (JAX's own would wait at the
+    shutdown barrier until the others get there), and the launcher (or the cluster) stops
+    the others.
     """
     if _STATE.get("failed") or not jax.distributed.is_initialized():
         return
@@ -291,6 +292,16 @@ def _install_orderly_exit() -> None:
     def hook(*exc_info):
         _STATE["failed"] = True
         previous(*exc_info)
+        if jax.process_count() > 1:
+            # JAX's own exit handler would wait at the shutdown barrier until every other
+            # process got there (measured: the whole of the others' remaining run), so
+            # leave now; the launcher (or the cluster) sees the exit code and stops them
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream must not mask the exit
+                    pass
+            os._exit(1)
 
     sys.excepthook = hook
     atexit.register(shutdown)
