@@ -44,8 +44,8 @@ def _request(**kw):
     (dict(block_kv_bwd=32), "multiple of 64"),
     (dict(num_stages=1), ">= 2"),
     (dict(block_kv=True), "positive int"),
-    (dict(dq_cols=96), "multiple of 64"),
     (dict(atomic_dq=1), "must be a bool"),
+    (dict(split_dq=True), "needs atomic_dq=True"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -65,12 +65,26 @@ def test_default_configs_fit_shared_memory(D, dtype):
 @pytest.mark.parametrize("D", [64, 128])
 def test_atomic_dq_shared_memory(D):
     """The atomic-dQ dK/dV CTA adds each consumer's dS^T tile and float32 dQ block to the
-    two-kernel one's, and still fits at D = 64 and 128."""
+    two-kernel one's (split: both consumers' dS^T twice, half-width dQ blocks), and
+    still fits at D = 64 and 128."""
     two = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], atomic_dq=False)
     one = dataclasses.replace(two, atomic_dq=True)
-    extra = 2 * 64 * (64 * 2 + D * 4)
     kv_ring = 2 * 2 * 64 * D * 2 + 2 * 64 * (2 * D * 2 + 8)
+    extra = 2 * 64 * (64 * 2 + D * 4)
     assert backward_smem_bytes(one, D, "bfloat16") == kv_ring + extra <= SMEM_LIMIT
+    split = dataclasses.replace(one, split_dq=True)
+    extra = 2 * 2 * 64 * 64 * 2 + 2 * 64 * (D // 2) * 4
+    assert backward_smem_bytes(split, D, "bfloat16") == kv_ring + extra <= SMEM_LIMIT
+
+
+def test_split_dq_needs_head_dim_128():
+    cfg = MgpuConfig(atomic_dq=True, split_dq=True)
+    pos = jnp.arange(256)
+
+    def bwd(q, lse):
+        return mgpu_bwd(q, q, q, q, lse, q, pos, pos, MaskSpec(causal=True), 0.1, config=cfg)
+    with pytest.raises(ValueError, match="split_dq needs a head dim of 128"):
+        _lowered(bwd, SDS((1, 256, 2, 64), BF16), SDS((1, 2, 256), jnp.float32))
 
 
 def test_launch_order_puts_the_longest_rows_first():
@@ -143,8 +157,11 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
-    for atomic in (False, True):
-        c = dataclasses.replace(cfg, atomic_dq=atomic)
+    variants = [dict(atomic_dq=False), dict(atomic_dq=True)] + (
+        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
+    for kw in variants:
+        atomic = kw["atomic_dq"]
+        c = dataclasses.replace(cfg, **kw)
         bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
             q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=c), q, kv, kv, q, lse, q,
             *pos, *segs)

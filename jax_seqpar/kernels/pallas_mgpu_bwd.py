@@ -18,10 +18,13 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   queries, query head, batch row), two consumers, a producer streaming K and V blocks of
   the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.
 * With ``MgpuConfig.atomic_dq`` there is no dQ kernel: each consumer of the dK/dV kernel
-  stages its ``dS^T`` block in shared memory, multiplies ``dS K`` (in ``dq_cols``-column
-  parts) and adds the float32 product into a zeroed dQ in global memory with a TMA
-  reduce-add, as FlashAttention-3's backward does (two of the seven matmuls per tile
-  saved, at the price of a summation order that varies from run to run).
+  stages its ``dS^T`` block in shared memory, multiplies ``dS K`` and adds the float32
+  product into a zeroed dQ in global memory with a TMA reduce-add, as FlashAttention-3's
+  backward does (two of the seven matmuls per tile saved, at the price of a summation
+  order that varies from run to run).  With ``split_dq`` as well, the two consumers
+  share their dS^T blocks (a barrier per step) and each adds dS K for half of dQ's
+  columns over all the CTA's keys: half the accumulator registers and half the
+  reduce-adds, FlashAttention-3's split for D = 128.
 
 The first ``n_full`` entries of each tile-list row run without mask code, the rest
 evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
@@ -59,10 +62,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
     has_seg = q_seg is not None
     with_dq = dq_acc is not None
-    dq_cols = min(D, config.dq_cols) if with_dq else D
-    if D % dq_cols:
-        raise ValueError(f"MgpuConfig.dq_cols={config.dq_cols} must divide the head dim {D}")
-    n_chunks = D // dq_cols
+    split_dq = with_dq and config.split_dq
+    if split_dq and D < 128:
+        raise ValueError(f"MgpuConfig.split_dq needs a head dim of 128 or more (half of "
+                         f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
+    half = D // 2
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
@@ -70,7 +74,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem), \
-            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free) = scoped
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
+            = scoped
         b = lax.axis_index("batch")
         kvh = lax.axis_index("heads")
         blk = order_ref[b, lax.axis_index("kv_seq")]
@@ -128,36 +133,54 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
                     plgpu.barrier_arrive(q_free.at[slot])
                     return dk, dv
+                dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
+                if split_dq:
+                    return split_dq_step(hh * count + t, slot, ds, dk, dv, dst)
                 # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
                 dsw = ds_smem.at[wg]
                 dsw[...] = ds
                 plgpu.commit_smem()
-                dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
-                zq = plgpu.layout_cast(jnp.full((bq, dq_cols), 0.0, F32), WGMMA)
-
-                def dq_part(acc_ref, ch):  # dQ[:, columns ch] += dS K[:, columns ch]
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(dsw, (1, 0)),
-                                kw.at[:, pl.ds(ch * dq_cols, dq_cols)] if n_chunks > 1 else kw)
+                zq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
 
                 def dk_dq(refs):
                     dk_ref_, dq_ref_ = refs
                     plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
-                    dq_part(dq_ref_, 0)
+                    plgpu.wgmma(dq_ref_, plgpu.transpose_ref(dsw, (1, 0)), kw)
                 dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
-                for ch in range(n_chunks):
-                    if ch:
-                        dq = pl.run_state(functools.partial(dq_part, ch=ch))(
-                            plgpu.ACC.init(zq))
-                    # the previous block's reduce-add of this chunk must have read its
-                    # buffer (groups complete in order; the later n_chunks - 1 may pend)
-                    plgpu.wait_smem_to_gmem(n_chunks - 1, wait_read_only=True)
-                    dqw = dq_smem.at[wg, ch]
-                    dqw[...] = dq
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        dqw, dst.at[:, pl.ds(ch * dq_cols, dq_cols)] if n_chunks > 1 else dst,
-                        reduction_op="add")
+                # the previous block's reduce-add must have read dqw before it is rewritten
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                dqw = dq_smem.at[wg]
+                dqw[...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dqw, dst, reduction_op="add")
+                return dk, dv
+
+            def split_dq_step(j, slot, ds, dk, dv, dst):
+                """Both consumers' dS^T blocks in shared memory (double-buffered by step
+                parity), then each adds dS K for half of dQ's columns over all 2 * bk
+                keys of the CTA: one accumulator of bq x D/2 per consumer."""
+                par = lax.rem(j, jnp.int32(2))
+                ds_smem.at[par, wg][...] = ds
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[par])
+                cols = pl.ds(pl.multiple_of(wg * half, half), half)
+                zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
+
+                def dk_dq(refs):
+                    dk_ref_, dq_ref_ = refs
+                    plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
+                    for w in range(2):
+                        plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_smem.at[par, w], (1, 0)),
+                                    k_smem.at[w, :, cols])
+                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+                plgpu.barrier_arrive(q_free.at[slot])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                dqw = dq_smem.at[wg]
+                dqw[...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
                 return dk, dv
 
             def head(hh, carry):
@@ -216,18 +239,25 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bq), F32),
                 plgpu.SMEM((stages, bq), F32))
-        if with_dq:
-            swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        if split_dq:
+            smem += (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=swz),
+                     plgpu.SMEM((2, bq, half), F32, transforms=swz32))
+        elif with_dq:
             smem += (plgpu.SMEM((2, bk, bq), dtype, transforms=swz),
-                     plgpu.SMEM((2, n_chunks, bq, dq_cols), F32, transforms=swz32))
+                     plgpu.SMEM((2, bq, D), F32, transforms=swz32))
         pad = () if with_dq else (None, None)
+        frees = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+        if split_dq:
+            frees += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
         pl.run_scoped(
-            lambda sm, *bars: kernel(*ins, dq_ref, dk_ref, dv_ref, ((*sm, *pad), *bars)),
+            lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (
+                (*sm, *pad), ready, fr if split_dq else (*fr, None))),
             smem,
             (plgpu.Barrier(num_arrivals=2, num_barriers=2),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            frees,
             collective_axes="wg",
         )
 

@@ -34,8 +34,9 @@ class MgpuConfig:
     of the dQ kernel (whose consumers hold ``block_q_bwd`` queries each).
     ``atomic_dq``: accumulate dQ inside the dK/dV kernel (as FlashAttention-3's backward
     does: each consumer adds its ``dS K`` block into a float32 dQ in global memory with a TMA
-    reduce-add) instead of a second kernel that recomputes ``P`` and ``dP``; ``dq_cols``:
-    the columns of dQ one such product covers (fewer keep fewer registers live).
+    reduce-add) instead of a second kernel that recomputes ``P`` and ``dP``; ``split_dq``
+    (with ``atomic_dq``, head dims of 128 and more): the two consumers share dS and each
+    computes half of dQ's columns.
     """
 
     block_q: int = 64
@@ -46,19 +47,22 @@ class MgpuConfig:
     num_stages_bwd: int = 2
     block_kv_dq: int = 64
     atomic_dq: bool = False
-    dq_cols: int = 64
+    split_dq: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.atomic_dq, bool):
-            raise ValueError(f"MgpuConfig.atomic_dq={self.atomic_dq!r} must be a bool")
+        for name in ("atomic_dq", "split_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MgpuConfig.{name}={getattr(self, name)!r} must be a bool")
+        if self.split_dq and not self.atomic_dq:
+            raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
+                             "atomic dQ product between the consumers)")
         for f in dataclasses.fields(self):
-            if f.name == "atomic_dq":
+            if f.name in ("atomic_dq", "split_dq"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"MgpuConfig.{f.name}={val!r} must be a positive int")
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_kv_dq",
-                     "dq_cols"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_kv_dq"):
             if getattr(self, name) % 64:
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)} must be a "
                                  f"multiple of 64 (wgmma tiles)")
@@ -73,8 +77,8 @@ class MgpuConfig:
 #: 1-3%, a third backward stage lost 4-8%.  ``atomic_dq`` (results/mgpu_atomic_dq*_h200.json,
 #: fwd+bwd at 16k in rotation with cuDNN): at D = 64 it lifts the backward from 0.84 / 0.89x
 #: cuDNN (non-causal / causal) to 0.97 / 0.99x; at D = 128 it loses (0.73-0.80x against
-#: the two kernels' 0.88-0.96x: dK, dV and dQ accumulators do not fit the registers
-#: together, even with dQ in 64-column parts).  D = 256 runs the Triton backward (the
+#: the two kernels' 0.88-0.96x); ``split_dq`` recovers most of it (0.85 / 0.92x against
+#: 0.88 / 0.95x in the same run) but not all, so D = 128 keeps the two kernels.  D = 256 runs the Triton backward (the
 #: Mosaic GPU one does not fit shared memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
     64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
@@ -101,6 +105,9 @@ def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
     if config.atomic_dq:
         ds_dq = 2 * config.block_q_bwd * (config.block_kv_bwd * item + head_dim * 4)
+        if config.split_dq:  # dS^T of both consumers, double-buffered; dQ half-blocks
+            ds_dq = 2 * 2 * config.block_kv_bwd * config.block_q_bwd * item \
+                + 2 * config.block_q_bwd * head_dim // 2 * 4
         return kv + ring + ds_dq
     dq = (2 * 2 * config.block_q_bwd + 2 * config.num_stages_bwd * config.block_kv_dq) \
         * head_dim * item
