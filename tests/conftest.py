@@ -12,6 +12,14 @@ _FLAGS = {
     # Compile each module on one thread.  Numerics are unaffected; without it, two
     # pytest-xdist workers on a 2-core machine compile ~2.5x slower, not 2x faster.
     "--xla_cpu_parallel_codegen_split_count": "1",
+    # LLVM's optimisation level for the CPU code XLA emits (default 2).  The suite is
+    # dominated by compiling ~500 small programs, and at level 0 each compiles in ~60%
+    # of the CPU time.  It changes only the machine code of the CPU kernels: XLA's HLO
+    # passes, fusion, scheduling and buffer assignment (which the byte-count, overlap,
+    # remat and memory tests read) are the same, and without fast-math (off by default)
+    # LLVM may not reorder float arithmetic at any level.  Subprocesses (launcher,
+    # notebooks) inherit it.
+    "--xla_backend_optimization_level": "0",
 }
 _flags = os.environ.get("XLA_FLAGS", "")
 for _name, _value in _FLAGS.items():
