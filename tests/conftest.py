@@ -61,6 +61,8 @@ GROUPS = {
     # lru_cached jitted losses / compiled programs shared by the tests of each file
     "test_remat.py": "remat",
     "test_llama.py": "llama",
+    "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
+    "test_burst.py::test_gqa_group_four_prefers_kv": "burst_bytes",
 }
 
 #: path prefixes of the longest tests (measured with --durations), longest first
