@@ -77,7 +77,7 @@ LONGEST_FIRST = (
     "test_llama.py",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
     "test_decode_kernel_benchmark.py",
-    "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_xla",
+    "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_reference",
 )
 
 
