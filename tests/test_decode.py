@@ -16,27 +16,36 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 DECODERS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgather_decode}
 
 
-def _reference(q, k, v, lengths, causal, do=None):
-    """Per batch row: the dense reference on the valid prefix of the cache (float32)."""
-    Tq = q.shape[1]
-    up = lambda x: x.astype(F32)  # noqa: E731
+@functools.partial(jax.jit, static_argnames="causal")
+def _reference_row(q, k, v, do, length, causal):
+    """One batch row (float32): the dense reference on the first ``length`` keys of the
+    cache, output and gradients.  Keys past ``length`` are masked (segment 0 against the
+    queries' segment 1) rather than sliced off, so every row and case of one shape shares
+    one compiled program; a row with ``length = 0`` sees nothing and gives zeros."""
+    Tq, S = q.shape[1], k.shape[1]
+    q_pos = length - Tq + jnp.arange(Tq) if causal else jnp.arange(Tq)
+    kv_seg = (jnp.arange(S) < length).astype(jnp.int32)[None]
 
     def f(q, k, v):
-        outs = []
-        for b in range(q.shape[0]):
-            L = int(lengths[b])
-            if L == 0:
-                outs.append(jnp.zeros_like(q[b:b + 1]))
-                continue
-            qp = jnp.arange(L - Tq, L) if causal else jnp.arange(Tq)
-            outs.append(jsp.reference_attention(q[b:b + 1], k[b:b + 1, :L], v[b:b + 1, :L],
-                                                causal=causal, q_pos=qp)[0])
-        return jnp.concatenate(outs)
+        return jsp.reference_attention(q, k, v, causal=causal, q_pos=q_pos,
+                                       kv_pos=jnp.arange(S), kv_segment_ids=kv_seg,
+                                       segment_ids=jnp.ones((1, Tq), jnp.int32))[0]
 
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(do)
+
+
+def _reference(q, k, v, lengths, causal, do=None):
+    """Per batch row: the dense reference on the valid prefix of the cache (float32)."""
+    up = lambda x: x.astype(F32)  # noqa: E731
+    q, k, v = up(q), up(k), up(v)
+    do_ = jnp.zeros_like(q) if do is None else up(do)
+    rows = [_reference_row(q[b:b + 1], k[b:b + 1], v[b:b + 1], do_[b:b + 1],
+                           jnp.int32(lengths[b]), causal) for b in range(q.shape[0])]
+    out = jnp.concatenate([r[0] for r in rows])
     if do is None:
-        return f(up(q), up(k), up(v))
-    out, vjp = jax.vjp(f, up(q), up(k), up(v))
-    return out, vjp(up(do))
+        return out
+    return out, tuple(jnp.concatenate([r[1][i] for r in rows]) for i in range(3))
 
 
 @functools.lru_cache(maxsize=None)
