@@ -134,18 +134,32 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.barrier_arrive(q_free.at[slot])
                     return dk, dv
                 dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
-                if split_dq:
-                    return split_dq_step(hh * count + t, slot, ds, dk, dv, dst)
                 # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
-                dsw = ds_smem.at[wg]
-                dsw[...] = ds
-                plgpu.commit_smem()
-                zq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
+                if split_dq:  # both consumers' blocks (double-buffered by step parity);
+                    # each then adds dS K for half of dQ's columns over all 2 * bk keys
+                    par = lax.rem(hh * count + t, jnp.int32(2))
+                    ds_smem.at[par, wg][...] = ds
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_ready.at[par])
+                    plgpu.barrier_wait(ds_ready.at[par])
+                    cols = pl.ds(pl.multiple_of(wg * half, half), half)
+                    width = half
+                else:
+                    ds_smem.at[wg][...] = ds
+                    plgpu.commit_smem()
+                    width = D
+                zq = plgpu.layout_cast(jnp.full((bq, width), 0.0, F32), WGMMA)
 
                 def dk_dq(refs):
                     dk_ref_, dq_ref_ = refs
                     plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
-                    plgpu.wgmma(dq_ref_, plgpu.transpose_ref(dsw, (1, 0)), kw)
+                    # (operand views made here: made outside this scope, the split's
+                    # failed to lower on JAX 0.11.2, "Shaped arrays must be represented
+                    # by ir.Values")
+                    terms = ([(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
+                             if split_dq else [(ds_smem.at[wg], kw)])
+                    for ds_t, k_part in terms:
+                        plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_t, (1, 0)), k_part)
                 dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
                 # the previous block's reduce-add must have read dqw before it is rewritten
@@ -153,34 +167,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 dqw = dq_smem.at[wg]
                 dqw[...] = dq
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dqw, dst, reduction_op="add")
-                return dk, dv
-
-            def split_dq_step(j, slot, ds, dk, dv, dst):
-                """Both consumers' dS^T blocks in shared memory (double-buffered by step
-                parity), then each adds dS K for half of dQ's columns over all 2 * bk
-                keys of the CTA: one accumulator of bq x D/2 per consumer."""
-                par = lax.rem(j, jnp.int32(2))
-                ds_smem.at[par, wg][...] = ds
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[par])
-                plgpu.barrier_wait(ds_ready.at[par])
-                cols = pl.ds(pl.multiple_of(wg * half, half), half)
-                zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
-
-                def dk_dq(refs):
-                    dk_ref_, dq_ref_ = refs
-                    plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
-                    for w in range(2):
-                        plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_smem.at[par, w], (1, 0)),
-                                    k_smem.at[w, :, cols])
-                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
-                plgpu.barrier_arrive(q_free.at[slot])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dqw = dq_smem.at[wg]
-                dqw[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
+                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols] if split_dq else dst,
+                                        reduction_op="add")
                 return dk, dv
 
             def head(hh, carry):

@@ -74,12 +74,13 @@ class MgpuConfig:
 
 #: Per-head-dim defaults.  Backward sweep on one H200 at S = 16k (results/
 #: mgpu_bwd_sweep16k_h200.json, timed in rotation): dQ stages of 128 keys beat 64 by
-#: 1-3%, a third backward stage lost 4-8%.  ``atomic_dq`` (results/mgpu_atomic_dq*_h200.json,
-#: fwd+bwd at 16k in rotation with cuDNN): at D = 64 it lifts the backward from 0.84 / 0.89x
-#: cuDNN (non-causal / causal) to 0.97 / 0.99x; at D = 128 it loses (0.73-0.80x against
-#: the two kernels' 0.88-0.96x); ``split_dq`` recovers most of it (0.85 / 0.92x against
-#: 0.88 / 0.95x in the same run) but not all, so D = 128 keeps the two kernels.  D = 256 runs the Triton backward (the
-#: Mosaic GPU one does not fit shared memory), so its backward fields are unused.
+#: 1-3%, a third backward stage lost 4-8%.  ``atomic_dq`` (results/mgpu_atomic_dq*_h200
+#: .json and mgpu_split_dq_pair_h200.json, fwd+bwd at 16k in rotation with cuDNN): at
+#: D = 64 it lifts the backward from 0.82-0.89x cuDNN to 0.96-1.00x; at D = 128 it loses
+#: (0.69-0.80x against the two kernels' 0.88-0.96x), and ``split_dq`` recovers most but
+#: not all of it (0.85 / 0.92x against 0.88 / 0.95x in one run), so D = 128 keeps the two
+#: kernels.  D = 256 runs the Triton backward (the Mosaic GPU one does not fit shared
+#: memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
     64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
     128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128),
