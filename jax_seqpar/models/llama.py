@@ -170,10 +170,15 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama-style decoder.  ``apply(params, tokens, segment_ids=None)`` -> logits.
+    """Llama-style decoder.  ``apply(params, tokens, segment_ids=None, positions=None)``
+    -> logits.
 
-    ``tokens`` ``[B, S]`` ints and ``segment_ids`` ``[B, S]`` (packed documents) are in
-    natural order; logits ``[B, S, vocab]`` are in natural order too, unless
+    ``tokens`` ``[B, S]`` ints, ``segment_ids`` ``[B, S]`` (packed documents) and
+    ``positions`` ``[B, S]`` ints (transformers' ``position_ids``: the RoPE position of
+    each token, e.g. restarting at 0 in every packed document; default: the global
+    position ``arange(S)``) are in natural order and are permuted into the layout with
+    the tokens.  RoPE rotates by ``positions``; the causal mask and the layout always
+    use the global positions.  Logits ``[B, S, vocab]`` are in natural order too, unless
     ``layout_order=True`` (what training uses: ``next_token_loss``), which skips putting
     them back.  ``return_hidden=True`` returns the final-norm hidden states ``[B, S,
     d_model]`` instead of the logits (the fused loss applies the head itself; see
@@ -216,7 +221,7 @@ class Llama(nn.Module):
         return jnp.take(x, jnp.asarray(inv), axis=1)
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, layout_order: bool = False,
+    def __call__(self, tokens, segment_ids=None, positions=None, layout_order: bool = False,
                  return_hidden: bool = False):
         c, opts = self.config, self.options()
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -226,7 +231,11 @@ class Llama(nn.Module):
         if opts.mesh is not None and S % (2 * opts.num_shards) and opts.seq_selective:
             raise ValueError(f"remat='seq_selective' needs seq_len={S} divisible by "
                              f"2*{opts.num_shards} devices")
-        positions = jnp.asarray(self.permutation(S))
+        check_positions(positions, tokens.shape)
+        if positions is None:
+            positions = jnp.asarray(self.permutation(S))      # each row's global position
+        else:
+            positions = opts.shard(self.to_layout(jnp.asarray(positions, jnp.int32)))
         tokens = opts.shard(self.to_layout(tokens))           # the one permutation
         segment_ids = None if segment_ids is None else opts.shard(self.to_layout(segment_ids))
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -247,6 +256,17 @@ class Llama(nn.Module):
             logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
                               name="lm_head")(x)
         return logits if layout_order else self.from_layout(logits)
+
+
+def check_positions(positions, shape) -> None:
+    """``positions`` must be ``None`` or integer ``[B, S]`` like the tokens."""
+    if positions is None:
+        return
+    if getattr(positions, "shape", None) != tuple(shape):
+        raise ValueError(f"positions must have the tokens' shape [batch, seq] = "
+                         f"{tuple(shape)}; got {getattr(positions, 'shape', None)}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(f"positions.dtype={positions.dtype} must be an integer dtype")
 
 
 def shift_targets(tokens, loss_mask=None, segment_ids=None):
@@ -275,8 +295,12 @@ def head_weights(model: Llama, params):
     return p["lm_head"]["kernel"]
 
 
-def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=None):
+def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=None,
+                    positions=None):
     """Mean next-token cross-entropy and accuracy over the weighted positions.
+
+    ``tokens``, ``loss_mask``, ``segment_ids`` and ``positions`` are ``[B, S]`` in natural
+    order (``Llama.__call__`` says what ``positions`` means).
 
     Targets are shifted in natural order (``shift_targets``), then permuted like the
     tokens, so the hidden states / logits never leave layout order.  With
@@ -289,13 +313,15 @@ def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=No
     targets, weights = shift_targets(tokens, loss_mask, segment_ids)
     targets, weights = model.to_layout(targets), model.to_layout(weights)
     if c.fused_loss:
-        h = model.apply(params, tokens, segment_ids, layout_order=True, return_hidden=True)
+        h = model.apply(params, tokens, segment_ids, positions, layout_order=True,
+                        return_hidden=True)
         loss, m = fused_lm_head_loss(h, head_weights(model, params), targets, weights,
                                      mesh=model.mesh, axis_name=model.axis_name,
                                      block_s=c.loss_block_s, block_v=c.loss_block_v,
                                      dtype=c.dtype)
         return loss, {"loss": loss, "accuracy": m["accuracy"], "tokens": m["tokens"]}
-    logits = model.apply(params, tokens, segment_ids, layout_order=True).astype(F32)
+    logits = model.apply(params, tokens, segment_ids, positions,
+                         layout_order=True).astype(F32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     total = jnp.maximum(weights.sum(), 1.0)
