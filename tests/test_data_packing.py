@@ -74,10 +74,11 @@ def check_documents(rows, docs, options: PackOptions, report: PackingReport):
         first = 0 if options.split_positions == "restart" else offset
         np.testing.assert_array_equal(rows["positions"][r, cols], first + np.arange(v.size))
         pieces.setdefault(i, []).append((offset, v.size, r))
-    n_targets = 0
+    n_targets = n_continued = 0
     for i, d in enumerate(docs):
         got = sorted(pieces.get(i, []))
         n_targets += sum(n - 1 for _, n, _ in got)
+        n_continued += sum(n for o, n, _ in got if o > 0)
         kept = sum(n for _, n, _ in got)
         if d.size > S and options.long_documents == "drop":
             assert not got
@@ -97,6 +98,7 @@ def check_documents(rows, docs, options: PackOptions, report: PackingReport):
     assert report.pieces == sum(len(p) for p in pieces.values())
     assert report.split_documents == sum(len(p) > 1 for p in pieces.values())
     assert report.targets == n_targets
+    assert report.continued_tokens == n_continued
     assert report.truncated_tokens == (sum(n - S for n in long)
                                        if options.long_documents == "truncate" else 0)
     assert report.dropped_tokens == (sum(long) if options.long_documents == "drop" else 0)
@@ -251,6 +253,7 @@ def test_long_document_pieces_positions():
     for policy in POLICIES:
         (b,), rep = pack_documents([doc], 8, policy=policy)
         assert rep.split_documents == 1 and rep.pieces == 3 and rep.targets == 20 - 3
+        assert rep.continued_tokens == 12
         np.testing.assert_array_equal(b["positions"][:, 0], 0)
         (c,), _ = pack_documents([doc], 8, policy=policy, split_positions="continue")
         starts = sorted(c["positions"][:, 0].tolist())
@@ -282,3 +285,18 @@ def test_options_are_frozen():
     opts = PackOptions(16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.seq_len = 8
+
+
+def test_efficiency_benchmark_runs(tmp_path):
+    """benchmarks/packing_efficiency.py (small): every policy and window reported."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    pytest.importorskip("tokenizers")
+    import packing_efficiency
+    out = tmp_path / "packing.json"
+    rows = packing_efficiency.main(["--seq-len", "512", "--median", "64", "--documents",
+                                    "200", "--json", str(out)])
+    assert json.loads(out.read_text()) == rows and len(rows) == 3 * 3 + 2 * 3
+    assert all(0.5 < r["efficiency"] <= 1 and 0 <= r["continued"] < 1 for r in rows)

@@ -238,6 +238,7 @@ def pack_rows(documents: Sequence, options: PackOptions) -> tuple[dict, PackingR
     report = PackingReport(
         S, **counts, tokens=sum(lengths), rows=len(rows),
         pieces=int(pieces_of.sum()), split_documents=int((pieces_of > 1).sum()),
+        continued_tokens=sum(b - a for row in rows for _, a, b in row if a > 0),
         targets=sum(b - a - 1 for row in rows for _, a, b in row))
     return _materialise(docs, rows, options), report
 

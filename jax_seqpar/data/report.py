@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 _COUNTERS = ("documents", "empty_documents", "input_tokens", "tokens", "rows",
-             "padding_rows", "pieces", "split_documents", "targets",
+             "padding_rows", "pieces", "split_documents", "continued_tokens", "targets",
              "truncated_documents", "truncated_tokens", "dropped_documents",
              "dropped_tokens")
 
@@ -28,7 +28,9 @@ class PackingReport:
     - ``rows``: rows holding at least one token; ``padding_rows``: all-padding rows added
       so that the last batch has its full shape.
     - ``pieces``: segments written (a document placed whole is one piece);
-      ``split_documents``: documents written as more than one piece.
+      ``split_documents``: documents written as more than one piece;
+      ``continued_tokens``: tokens in the pieces after a document's first, which train
+      without the document's beginning in their context.
     - ``targets``: next-token targets inside the segments, ``sum(len(piece) - 1)``: what
       the loss trains on (a split costs one target, a one-token piece has none).
     - ``truncated_*`` / ``dropped_*``: documents longer than ``seq_len`` cut to
@@ -44,6 +46,7 @@ class PackingReport:
     padding_rows: int = 0
     pieces: int = 0
     split_documents: int = 0
+    continued_tokens: int = 0
     targets: int = 0
     truncated_documents: int = 0
     truncated_tokens: int = 0
