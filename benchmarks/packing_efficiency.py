@@ -5,7 +5,7 @@ the document's beginning), over window sizes.
 Document lengths are log-normal (median ``--median``, log-sd 1), as in long-context
 fine-tuning mixes, plus the demo corpus tokenised with its BPE.
 
-    python benchmarks/packing_efficiency.py [--seq-len 8192 --median 1024 --documents 2048] [--json F]
+    python benchmarks/packing_efficiency.py [--seq-len 8192 --median 1024] [--json F]
 """
 
 from __future__ import annotations

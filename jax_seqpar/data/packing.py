@@ -265,8 +265,9 @@ def pack_documents(documents: Sequence, seq_len: int, *, batch_size: int | None 
     arguments are ``PackOptions``' (module docstring).  Returns ``Packed(batches, report)``.
 
         batches, report = pack_documents(docs, 4096, batch_size=8)
-        loss, _ = next_token_loss(model, params, b["tokens"], loss_mask=b["loss_mask"],
-                                  segment_ids=b["segment_ids"], positions=b["positions"])
+        for b in batches:
+            loss, _ = next_token_loss(model, params, b["tokens"], loss_mask=b["loss_mask"],
+                                      segment_ids=b["segment_ids"], positions=b["positions"])
     """
     options = PackOptions(seq_len, policy=policy, pad_id=pad_id, bos_id=bos_id,
                           eos_id=eos_id, long_documents=long_documents,

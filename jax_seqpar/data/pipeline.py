@@ -116,6 +116,16 @@ def _process(process_index, process_count):
     return process_index, process_count
 
 
+class _ReadAndEncode(grain.transforms.Map):
+    """One file -> its token ids (a class, not a lambda, so it pickles for mp_prefetch)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def map(self, path):
+        return self.tokenizer.encode(read_text(path))
+
+
 class PackedBatchIterator(grain.DatasetIterator):
     """Batches of packed rows from an iterator of token arrays; see the module docstring.
 
@@ -256,7 +266,7 @@ def text_dataset(files: Sequence, tokenizer, config: DataConfig, *,
     ds = ds.repeat(config.num_epochs)
     if config.shard == "documents" and P > 1:
         ds = ds[p::P]
-    ds = ds.map(lambda path: tokenizer.encode(read_text(path)))
+    ds = ds.map(_ReadAndEncode(tokenizer))
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads,
                                               prefetch_buffer_size=config.window))
     if config.shard == "rows":
