@@ -276,7 +276,9 @@ def test_errors_name_the_argument_and_the_fix(tmp_path):
         assert ckpt.restore_latest(_small_state(mesh, 0)) is None  # nothing yet
         with pytest.raises(ValueError, match="step=3 but state.step=2"):
             ckpt.save(3, _small_state(mesh, 2))
-        ckpt.save(2, _small_state(mesh, 2))
+        with pytest.raises(TypeError, match="data_state must be JSON-serialisable"):
+            ckpt.save(2, _small_state(mesh, 2), {"rng": np.random.default_rng(0)})
+        ckpt.save(np.int64(2), _small_state(mesh, 2))
         ckpt.wait_until_finished()
         bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             _small_state(mesh, 2))
@@ -294,3 +296,29 @@ def test_errors_name_the_argument_and_the_fix(tmp_path):
         abstract_train_state(model, optimizer, jax.random.key(0), (2, 64), sharding="zero3")
     with pytest.raises(ValueError, match="tokens_shape=.* must be"):
         abstract_train_state(model, optimizer, jax.random.key(0), (64,))
+
+
+def test_train_step_with_its_own_loss_gets_a_fresh_key_each_step():
+    """``loss_fn(params, batch, key)``: the key comes from splitting ``state.rng`` once
+    per step, so it changes every step and is the same again from the same state."""
+    import optax
+
+    from jax_seqpar.training import make_train_step
+
+    def loss_fn(params, batch, key):
+        noise = jax.random.normal(key, ())
+        return jnp.sum(params["w"] ** 2) + noise, {"noise": noise}
+
+    opt = optax.sgd(0.1)
+    params = {"w": jnp.ones(3)}
+    state = TrainState(params=params, opt_state=opt.init(params), step=jnp.int32(0),
+                       rng=jax.random.key(0))
+    step = make_train_step(None, opt, loss_fn=loss_fn, donate=False)
+    batch = {"tokens": np.zeros((1, 4), np.int32)}
+    s1, m1 = step(state, batch)
+    s2, m2 = step(s1, batch)
+    assert int(s2.step) == 2 and float(m1["noise"]) != float(m2["noise"])
+    np.testing.assert_allclose(s1.params["w"], 0.8 * np.ones(3), rtol=1e-6)
+    again, m1_again = step(state, batch)  # not donated: the old state is still usable
+    assert float(m1_again["noise"]) == float(m1["noise"])
+    assert_states_equal(w.to_host(again), w.to_host(s1), "same state, same step")

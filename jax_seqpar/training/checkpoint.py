@@ -47,6 +47,8 @@ Typical loop (``data`` has ``get_state()`` / ``set_state(dict)``, as Grain itera
 from __future__ import annotations
 
 import dataclasses
+import json
+import numbers
 import os
 from typing import Any, NamedTuple, Optional
 
@@ -153,10 +155,17 @@ class TrainCheckpointer:
         once the arrays are in host memory; the files are written in the background
         (``async_save``).  ``state.step``, if present, must equal ``step``.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
+        step = int(step)
         if not (force or self.should_save(step)):
             return False
+        try:  # here, not in the background thread that writes it
+            json.dumps(data_state)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"data_state must be JSON-serialisable (a Grain iterator's "
+                            f"get_state() dict is); got {type(data_state).__name__}: {e}"
+                            ) from None
         held = getattr(state, "step", None)
         if held is not None and int(held) != step:  # the save syncs with the step anyway
             raise ValueError(f"step={step} but state.step={int(held)}: pass the number of "
