@@ -140,9 +140,9 @@ def test_sigkill_inside_a_save_leaves_the_previous_checkpoint(reference, child_e
     partial checkpoint is never listed, the next checkpointer deletes it, and step 4
     restores to the reference run's state after 4 steps."""
     directory = tmp_path / "run"
+    errors = open(tmp_path / "child_stderr.txt", "w")  # a file: a full pipe would block it
     proc = subprocess.Popen(worker_cmd(directory, "hang_in_save", 6), env=child_env,
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=errors, text=True)
     watchdog = threading.Timer(240, proc.kill)
     watchdog.start()
     lines, tmp = [], None
@@ -162,7 +162,8 @@ def test_sigkill_inside_a_save_leaves_the_previous_checkpoint(reference, child_e
         watchdog.cancel()
         proc.kill()
         proc.wait(timeout=60)
-    assert tmp is not None, "".join(lines)
+        errors.close()
+    assert tmp is not None, "".join(lines) + (tmp_path / "child_stderr.txt").read_text()[-3000:]
     assert proc.returncode == -signal.SIGKILL
     killed = losses_of(lines)
     assert {1, 2, 3, 4, 5, 6} <= set(killed)
