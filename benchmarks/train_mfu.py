@@ -38,8 +38,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar.fsdp import bytes_per_device, fsdp_shardings, replicated_shardings  # noqa
-from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
+from jax_seqpar.fsdp import bytes_per_device  # noqa: E402
+from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
+from jax_seqpar.training import (abstract_train_state, init_train_state,  # noqa: E402
+                                 make_train_step, shardings_of)
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
 
 H200_BF16_DENSE = 989e12  # spec sheet, dense bf16 FLOP/s
@@ -87,51 +89,38 @@ def matmul_rate(n=8192):
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
           lr=1e-4, seed=0):
-    """``(step, params, opt_state, tokens, cfg)``; ``step(params, opt, tokens)`` ->
-    ``(params, opt, loss)``, jitted with the shardings of ``params_mode``."""
+    """``(step, state, batch, cfg, state_bytes)``; ``step(state, batch)`` -> ``(state,
+    metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state donated and kept
+    on the shardings of ``params_mode``, created in place by ``init_train_state``)."""
     devs = jax.devices()[:G]
     mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=remat)
     model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, S), 0, cfg.vocab_size,
                                 jnp.int32)
-    tok_sharding = NamedSharding(mesh, P(None, "sp"))
-    tokens = jax.device_put(tokens, tok_sharding)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "sp")))
     opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
-
-    init = lambda key: model.init(key, tokens)  # noqa: E731
-    p_shape = jax.eval_shape(init, jax.random.PRNGKey(seed))
-    o_shape = jax.eval_shape(opt.init, p_shape)
-    shard = fsdp_shardings if params_mode == "fsdp" else (
-        lambda t, m, *a: replicated_shardings(t, m))
-    p_sh, o_sh = shard(p_shape, mesh, "sp"), shard(o_shape, mesh, "sp")
-    params = jax.jit(init, out_shardings=p_sh)(jax.random.PRNGKey(seed))
-    opt_state = jax.jit(opt.init, out_shardings=o_sh)(params)
-
-    def step(params, opt_state, tokens):
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: next_token_loss(model, p, tokens), has_aux=True)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(step, in_shardings=(p_sh, o_sh, tok_sharding),
-                   out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
-    state_bytes = bytes_per_device(p_shape, p_sh) + bytes_per_device(o_shape, o_sh)
-    return step, params, opt_state, tokens, cfg, state_bytes
+    key = jax.random.PRNGKey(seed)
+    abstract = abstract_train_state(model, opt, key, tokens.shape, sharding=params_mode)
+    state = init_train_state(model, opt, key, tokens.shape, sharding=params_mode)
+    step = make_train_step(model, opt, shardings=abstract)
+    state_bytes = sum(bytes_per_device(t, shardings_of(t))
+                      for t in (abstract.params, abstract.opt_state))
+    return step, state, {"tokens": tokens}, cfg, state_bytes
 
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate):
-    step, params, opt_state, tokens, cfg, state_bytes = build(
+    step, state, batch, cfg, state_bytes = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode)
     t0 = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, tokens)  # compile + first step
-    loss0 = float(loss)
+    state, metrics = step(state, batch)  # compile + first step
+    loss0 = float(metrics["loss"])
     t_first = time.perf_counter() - t0
     ts, losses = [], [loss0]
     for _ in range(steps):
         t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, tokens)
-        losses.append(float(loss))  # synchronises
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))  # synchronises
         ts.append(time.perf_counter() - t0)
     t = float(np.median(ts))
     fl = flops_per_token(cfg, S)

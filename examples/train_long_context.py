@@ -84,6 +84,7 @@ from jax_seqpar.kernels import KernelRequest, XlaKernel  # noqa: E402
 from jax_seqpar.kernels.tiles import TileKernels  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
+from jax_seqpar.training import init_train_state, make_train_step  # noqa: E402
 
 
 def choose_kernel(a, cfg):
@@ -159,21 +160,19 @@ def main():
     def batch(rng, n):
         return jd.from_host(task.batch(rng, n), mesh, P())
 
-    params = jax.jit(model.init)(jax.random.key(a.seed), batch(rng, 1)[0])
+    # One sequence drawn for the initialiser's shape, as before, so the batches stay the same.
+    init_tokens, _ = task.batch(rng, 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, a.warmup, max(a.steps, a.warmup + 1),
                                                   end_value=a.lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01))
-    opt_state = opt.init(params)
+    # Parameters and optimizer state replicated over the mesh (the model is small);
+    # training.make_train_step: jitted, the state donated, next_token_loss on the batch dict.
+    state = init_train_state(model, opt, jax.random.key(a.seed), init_tokens.shape,
+                             sharding="replicated")
+    train_step = make_train_step(model, opt, shardings=state)
 
-    @jax.jit
-    def train_step(params, opt_state, toks, mask):
-        (loss, metrics), grads = jax.value_and_grad(
-            lambda p: next_token_loss(model, p, toks, loss_mask=mask), has_aux=True)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, metrics
-
-    n_params = sum(x.size for x in jax.tree.leaves(params))
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
     lead = INFO.is_main  # with several processes, process 0 reports and writes
     say = print if lead else (lambda *args, **kw: None)
     say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -192,7 +191,7 @@ def main():
         pass
     for step in steps:
         toks, mask = batch(rng, a.batch)
-        params, opt_state, m = train_step(params, opt_state, toks, mask)
+        state, m = train_step(state, {"tokens": toks, "loss_mask": mask})
         if step % a.log_every == 0 or step == a.steps - 1:
             m = jd.to_host(m)  # every process takes part (a collective when several)
             row = {"step": step, "loss": float(m["loss"]), "accuracy": float(m["accuracy"]),
@@ -204,7 +203,7 @@ def main():
     wall = time.perf_counter() - t0
     ev_rng = np.random.default_rng(a.seed + 1)
     evaluate = jax.jit(lambda p, t, m: next_token_loss(model, p, t, loss_mask=m)[1])
-    evals = [jd.to_host(evaluate(params, *batch(ev_rng, a.batch))) for _ in range(4)]
+    evals = [jd.to_host(evaluate(state.params, *batch(ev_rng, a.batch))) for _ in range(4)]
     ev_loss = float(np.mean([e["loss"] for e in evals]))
     ev_acc = float(np.mean([e["accuracy"] for e in evals]))
     first, last = log[0], log[-1]

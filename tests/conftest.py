@@ -67,6 +67,8 @@ GROUPS = {
     # lru_cached jitted losses / compiled programs shared by the tests of each file
     "test_remat.py": "remat",
     "test_llama.py": "llama",
+    # one reference training run (module fixture) and a compilation cache for its children
+    "test_training_checkpoint.py": "training_checkpoint",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
     "test_burst.py::test_gqa_group_four_prefers_kv": "burst_bytes",
 }
@@ -81,6 +83,7 @@ LONGEST_FIRST = (
     "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
     "test_remat.py",
     "test_llama.py",
+    "test_training_checkpoint.py",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
     "test_decode_kernel_benchmark.py",
     "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_reference",
