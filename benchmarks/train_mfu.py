@@ -85,6 +85,28 @@ def matmul_rate(n=8192):
     return 2 * n ** 3 / float(np.median(ts))
 
 
+def make_step(model, mesh, p_shape, params_mode: str, lr=1e-4):
+    """``(step, opt, p_sh, o_sh, tok_sharding)`` for ``model`` whose parameters have the
+    shapes ``p_shape``: one jitted AdamW step ``step(params, opt_state, tokens)`` ->
+    ``(params, opt_state, loss)`` with the shardings of ``params_mode``."""
+    tok_sharding = NamedSharding(mesh, P(None, "sp"))
+    opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
+    o_shape = jax.eval_shape(opt.init, p_shape)
+    shard = fsdp_shardings if params_mode == "fsdp" else (
+        lambda t, m, *a: replicated_shardings(t, m))
+    p_sh, o_sh = shard(p_shape, mesh, "sp"), shard(o_shape, mesh, "sp")
+
+    def step(params, opt_state, tokens):
+        (loss, _), grads = jax.value_and_grad(
+            lambda p: next_token_loss(model, p, tokens), has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step, in_shardings=(p_sh, o_sh, tok_sharding),
+                   out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+    return step, opt, p_sh, o_sh, tok_sharding
+
+
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
           lr=1e-4, seed=0):
     """``(step, params, opt_state, tokens, cfg)``; ``step(params, opt, tokens)`` ->
@@ -95,28 +117,14 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
     tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, S), 0, cfg.vocab_size,
                                 jnp.int32)
-    tok_sharding = NamedSharding(mesh, P(None, "sp"))
-    tokens = jax.device_put(tokens, tok_sharding)
-    opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
-
     init = lambda key: model.init(key, tokens)  # noqa: E731
     p_shape = jax.eval_shape(init, jax.random.PRNGKey(seed))
-    o_shape = jax.eval_shape(opt.init, p_shape)
-    shard = fsdp_shardings if params_mode == "fsdp" else (
-        lambda t, m, *a: replicated_shardings(t, m))
-    p_sh, o_sh = shard(p_shape, mesh, "sp"), shard(o_shape, mesh, "sp")
+    step, opt, p_sh, o_sh, tok_sharding = make_step(model, mesh, p_shape, params_mode, lr)
+    tokens = jax.device_put(tokens, tok_sharding)
     params = jax.jit(init, out_shardings=p_sh)(jax.random.PRNGKey(seed))
     opt_state = jax.jit(opt.init, out_shardings=o_sh)(params)
-
-    def step(params, opt_state, tokens):
-        (loss, _), grads = jax.value_and_grad(
-            lambda p: next_token_loss(model, p, tokens), has_aux=True)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(step, in_shardings=(p_sh, o_sh, tok_sharding),
-                   out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
-    state_bytes = bytes_per_device(p_shape, p_sh) + bytes_per_device(o_shape, o_sh)
+    state_bytes = (bytes_per_device(p_shape, p_sh)
+                   + bytes_per_device(jax.eval_shape(opt.init, p_shape), o_sh))
     return step, params, opt_state, tokens, cfg, state_bytes
 
 

@@ -341,3 +341,21 @@ def test_bad_directories_and_arguments(tmp_path):
     hf = hf_json("qwen2")
     assert config_from_hf(dict(hf, my_note="x"), ignore=["my_note"]) == \
         LlamaConfig.from_hf(hf)
+
+
+def test_hf_load_benchmark_tiny(tmp_path, monkeypatch, capsys):
+    """``benchmarks/hf_load.py`` writes a checkpoint, loads it in a fresh process and
+    reports host memory against the target."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import hf_load
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert hf_load.main(["--shape", "tiny", "--dir", str(tmp_path / "ckpt"), "--devices",
+                         "2"]) == 0
+    out = capsys.readouterr().out
+    assert "loader transient peak" in out and "OK" in out
+    with open(tmp_path / "out" / "hf_load_tiny_cpu2_fsdp_float32.json") as f:
+        row = json.load(f)
+    assert row["parameters"] > 0 and row["peak_rss"] >= row["rss_before"] > 0
+    assert not os.path.exists(tmp_path / "ckpt")

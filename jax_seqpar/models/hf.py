@@ -10,8 +10,9 @@ Qwen2.
 cannot map raises a ``ValueError`` naming it) and the weights from ``model.safetensors``
 or the shards listed in ``model.safetensors.index.json``.  It is **streamed**: one tensor
 at a time, each device's slice read from a memory map of that tensor alone
-(``safetensors_io.read_slice``) and placed by ``jax.make_array_from_callback`` straight
-onto its sharding -- ``jax_seqpar.fsdp``'s (``params="fsdp"``), replicated over the mesh
+(``safetensors_io.read_slice``) in the stored layout and placed by
+``jax.make_array_from_callback``, then transposed and converted on the devices, each
+device its own slice, onto the parameter's sharding -- ``jax_seqpar.fsdp``'s (``params="fsdp"``), replicated over the mesh
 (``"replicated"``), or the first device (``mesh=None``).  So the host holds about one
 tensor beyond what it already held, and no device ever holds more of a sharded tensor
 than its own slice.  Weights are converted to ``param_dtype`` as they are read.
@@ -33,6 +34,7 @@ processes take part in the gather; only process 0 writes).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
 from jax_seqpar.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
@@ -183,22 +185,43 @@ def _check(tensors: Dict[str, TensorInfo], tmap, cfg, arch: str) -> None:
                          f"({_hint(name, cfg)})")
 
 
+@functools.lru_cache(maxsize=None)
+def _relayout(perm, dtype, sharding):
+    """Jitted ``transpose(x, perm).astype(dtype)`` onto ``sharding``: each device
+    transposes its own slice (the input's sharding is the output's, permuted), no
+    communication."""
+    return jax.jit(lambda x: jnp.transpose(x, perm).astype(dtype), out_shardings=sharding)
+
+
+def _source_sharding(sharding, perm):
+    """The sharding of the stored (view) layout whose transpose by ``perm`` is ``sharding``."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    src = [None] * len(perm)
+    for i, p in enumerate(perm):
+        src[p] = spec[i]
+    return NamedSharding(sharding.mesh, P(*src))
+
+
 def _load_tensor(info: TensorInfo, e: Entry, sharding, dtype) -> jax.Array:
-    """One parameter onto ``sharding``: each device's slice read on its own (a slice
-    shared by several devices is read once)."""
+    """One parameter onto ``sharding``: each device's slice read in the stored layout and
+    dtype (whole rows of the file), put on its device, then transposed and converted
+    there.  A slice that several devices share is read once."""
     cache: Dict[tuple, np.ndarray] = {}
 
-    def slice_for(index):
+    def read(index):
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in cache:
-            src = [slice(None)] * len(e.view)
-            for i, p in enumerate(e.perm):
-                src[p] = index[i]
-            x = read_slice(info, e.view, tuple(src)).transpose(e.perm)
-            cache[key] = np.ascontiguousarray(x.astype(dtype, copy=False))
+            cache[key] = read_slice(info, e.view, index)
         return cache[key]
 
-    return jax.make_array_from_callback(e.shape, sharding, slice_for)
+    x = jax.make_array_from_callback(e.view, _source_sharding(sharding, e.perm), read)
+    if e.perm != tuple(range(len(e.perm))) or x.dtype != dtype:
+        x = _relayout(e.perm, jnp.dtype(dtype), sharding)(x)
+    # wait, so that the host copies of this tensor are freed before the next one is read
+    # (host memory stays near one tensor even if reading outpaces the transfers)
+    return jax.block_until_ready(x)
 
 
 def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
