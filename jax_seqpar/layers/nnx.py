@@ -36,7 +36,8 @@ class SeqParallelAttention(nnx.Module):
                  causal: bool = False, window: WindowArg = None, seq_selective: bool = False,
                  rope_theta: Optional[float] = 10000.0,
                  rope_scaling: Optional[RopeScaling] = None, use_bias: bool = False,
-                 out_bias: Optional[bool] = None, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 out_bias: Optional[bool] = None, dtype: Any = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
         hkv = num_kv_heads or num_heads
         if num_heads % hkv:

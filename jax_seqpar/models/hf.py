@@ -12,10 +12,11 @@ or the shards listed in ``model.safetensors.index.json``.  It is **streamed**: o
 at a time, each device's slice read from a memory map of that tensor alone
 (``safetensors_io.read_slice``) in the stored layout and placed by
 ``jax.make_array_from_callback``, then transposed and converted on the devices, each
-device its own slice, onto the parameter's sharding -- ``jax_seqpar.fsdp``'s (``params="fsdp"``), replicated over the mesh
-(``"replicated"``), or the first device (``mesh=None``).  So the host holds about one
-tensor beyond what it already held, and no device ever holds more of a sharded tensor
-than its own slice.  Weights are converted to ``param_dtype`` as they are read.
+device its own slice, onto the parameter's sharding: ``jax_seqpar.fsdp``'s
+(``params="fsdp"``), replicated over the mesh (``"replicated"``), or the first device
+(``mesh=None``).  So the host holds about one tensor beyond what it already held, and no
+device ever holds more of a sharded tensor than its own slice.  Weights are converted to
+``param_dtype`` on the devices.
 
 How transformers' tensors become the model's parameters (``tensor_map``): every linear
 weight ``W [out, in]`` is transposed (Flax kernels are ``[in, out]``); q/k/v kernels are
@@ -252,7 +253,7 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     tmap = tensor_map(cfg)
     _check(tensors, tmap, cfg, arch)
     if mesh is None:
-        one = SingleDeviceSharding(jax.devices()[0])
+        one = SingleDeviceSharding(jax.local_devices()[0])
         shardings = {k: one for k in tmap}
     elif params not in PARAMS_MODES:
         raise ValueError(f"params={params!r} must be one of {PARAMS_MODES}")
