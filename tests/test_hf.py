@@ -13,6 +13,8 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -347,7 +349,6 @@ def test_bad_directories_and_arguments(tmp_path):
 def test_hf_load_benchmark_tiny(tmp_path, monkeypatch, capsys):
     """``benchmarks/hf_load.py`` writes a checkpoint, loads it in a fresh process and
     reports host memory against the target."""
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import hf_load
 
@@ -360,3 +361,30 @@ def test_hf_load_benchmark_tiny(tmp_path, monkeypatch, capsys):
         row = json.load(f)
     assert row["parameters"] > 0 and row["peak_rss"] >= row["rss_before"] > 0
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_two_processes_load_and_save(tmp_path):
+    """2 processes x 4 devices: each process reads only its devices' slices, save
+    gathers each tensor from both and process 0 writes files equal to the source."""
+    cfg = LlamaConfig(vocab_size=512, d_model=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                      ffn_dim=256, max_position_embeddings=4096)
+    save_pretrained(cfg, random_params(cfg, 5), tmp_path / "src")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(tests)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_SEQPAR_", "SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        [repo, tests] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+    r = subprocess.run([sys.executable, "-m", "jax_seqpar", "launch", "--num-processes", "2",
+                        "--devices-per-process", "4", "--timeout", "150", "--",
+                        sys.executable, "-c", "import sys, mp_worker_hf as w; "
+                        "sys.exit(w.main(sys.argv[1], sys.argv[2]))",
+                        str(tmp_path / "src"), str(tmp_path / "dst")],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert "[p1] process 1 of 2 saved" in r.stdout
+    src, dst = checkpoint_tensors(tmp_path / "src"), checkpoint_tensors(tmp_path / "dst")
+    assert src.keys() == dst.keys() and len({t.file for t in dst.values()}) > 1
+    for name in src:
+        with safe_open(src[name].file, "numpy") as f, safe_open(dst[name].file, "numpy") as g:
+            np.testing.assert_array_equal(f.get_tensor(name), g.get_tensor(name), name)
