@@ -122,6 +122,14 @@ def test_unsupported_config_fields_raise(change, match):
         LlamaConfig.from_hf(hf)
 
 
+def test_mistral_window_defaults_like_transformers():
+    """MistralConfig's sliding_window is 4096 when config.json leaves it out; null is none."""
+    hf = hf_json("mistral")
+    assert LlamaConfig.from_hf({k: v for k, v in hf.items() if k != "sliding_window"}
+                               ).window == (4095, 0)
+    assert LlamaConfig.from_hf(dict(hf, sliding_window=None)).window is None
+
+
 def test_qwen2_sliding_windows():
     hf = hf_json("qwen2")
     per_layer = dict(hf, use_sliding_window=True, sliding_window=16, max_window_layers=1)

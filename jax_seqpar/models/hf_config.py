@@ -129,7 +129,7 @@ def _rope(hf: dict, max_pos: int):
 def _window(hf: dict, arch: str, num_layers: int):
     if arch == "LlamaForCausalLM":
         return None
-    w = hf.get("sliding_window")
+    w = hf.get("sliding_window", 4096)  # both config classes default to 4096 when absent
     if arch == "Qwen2ForCausalLM":
         w = w if hf.get("use_sliding_window", False) else None
         types = hf.get("layer_types")
@@ -173,9 +173,9 @@ def config_from_hf(hf: dict, *, ignore: Iterable[str] = (), **overrides):
         raise ValueError(f"config fields {unknown} are not supported for {arch} (the "
                          f"model might depend on them); if they do not change the model, "
                          f"pass ignore={unknown}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu': "
-                         f"SwiGLU)")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu' / "
+                         f"'swish': SwiGLU)")
     if hf.get("attention_dropout") not in (None, 0, 0.0):
         raise ValueError(f"attention_dropout={hf['attention_dropout']!r} is not supported "
                          f"(only 0: the model has no dropout)")
