@@ -32,6 +32,8 @@ from jax_seqpar.layers.rope import ROPE_TYPES, RopeScaling
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", 2048),
                  "MistralForCausalLM": ("mistral", 4096 * 32),
                  "Qwen2ForCausalLM": ("qwen2", 32768)}
+#: num_key_value_heads of each config class when config.json leaves it out (None: heads)
+_DEFAULT_KV_HEADS = {"llama": None, "mistral": 8, "qwen2": 32}
 _BY_TYPE = {t: a for a, (t, _) in ARCHITECTURES.items()}
 
 _COMMON = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -191,7 +193,8 @@ def config_from_hf(hf: dict, *, ignore: Iterable[str] = (), **overrides):
     cfg = LlamaConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim"),
+        num_kv_heads=hf.get("num_key_value_heads", _DEFAULT_KV_HEADS[mtype]) or heads,
+        head_dim=hf.get("head_dim"),
         ffn_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         window=_window(hf, arch, hf["num_hidden_layers"]),
