@@ -104,8 +104,9 @@ class SeqParallelOptions:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def attend(self, q, k, v, *, positions=None, segment_ids=None,
-               rope_theta: Optional[float] = 10000.0):
-        """RoPE (unless ``rope_theta`` is None) at ``positions``, then attention.
+               rope_theta: Optional[float] = 10000.0, rope_scaling=None):
+        """RoPE (unless ``rope_theta`` is None; scaled by ``rope_scaling``, a
+        ``rope.RopeScaling``) at ``positions``, then attention.
 
         ``q`` ``[B, S, Hq, D]``, ``k, v`` ``[B, S, Hkv, D]`` in the layer's row order.
         ``positions`` (``[S]`` or ``[B, S]`` ints) default to ``self.positions(S)``; they
@@ -115,7 +116,8 @@ class SeqParallelOptions:
         if positions is None:
             positions = self.positions(S)
         if rope_theta is not None:
-            q, k = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+            q = apply_rope(q, positions, rope_theta, rope_scaling)
+            k = apply_rope(k, positions, rope_theta, rope_scaling)
         if self.mesh is None:
             return plain_attention(q, k, v, causal=self.causal, window=self.window,
                                    segment_ids=segment_ids)

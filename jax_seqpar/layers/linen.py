@@ -4,8 +4,10 @@
 ``num_heads``), RoPE at global token positions, exact attention with the sequence split
 over ``mesh[axis_name]`` (``jax_seqpar.attention``), output projection.  Parameters:
 ``q_proj``, ``k_proj``, ``v_proj`` (``DenseGeneral`` kernels ``[d, H, D]``) and ``o_proj``
-(``[Hq, D, d]``), the same tree as the NNX module's (``layers/nnx.py``), so parameters
-move between them and to a single-device copy (``mesh=None``).
+(``[Hq, D, d]``), each with a ``bias`` (``[H, D]``; ``o_proj``: ``[d]``) when
+``use_bias`` (``out_bias`` sets ``o_proj``'s apart, e.g. Qwen2: q/k/v biases only); the
+same tree as the NNX module's (``layers/nnx.py``), so parameters move between them and to
+a single-device copy (``mesh=None``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_seqpar.layers.core import SeqParallelOptions
+from jax_seqpar.layers.rope import RopeScaling
 from jax_seqpar.masks import WindowArg
 
 
@@ -30,7 +33,8 @@ class SeqParallelAttention(nn.Module):
     (``layouts.permute_sequence``): RoPE then uses each row's global position and no
     token moves; with ``permuted=False`` rows are in natural order and the library
     permutes on the way in and out.  ``mesh=None``: plain single-device attention.
-    ``rope_theta=None`` turns RoPE off.  ``seq_selective=True``: compute attention so
+    ``rope_theta=None`` turns RoPE off; ``rope_scaling`` (``layers.rope.RopeScaling``)
+    scales it.  ``seq_selective=True``: compute attention so
     that ``jax_seqpar.remat.seq_selective_policy`` can keep the later half of each shard
     (BurstEngine §3.2).
     """
@@ -49,7 +53,9 @@ class SeqParallelAttention(nn.Module):
     window: WindowArg = None
     seq_selective: bool = False
     rope_theta: Optional[float] = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
     use_bias: bool = False
+    out_bias: Optional[bool] = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.lecun_normal()
@@ -69,11 +75,12 @@ class SeqParallelAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads or self.num_heads
         if hq % hkv:
             raise ValueError(f"num_heads={hq} must be a multiple of num_kv_heads={hkv}")
-        dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
+        dense = functools.partial(nn.DenseGeneral, dtype=self.dtype,
                                   param_dtype=self.param_dtype, kernel_init=self.kernel_init)
-        q = dense((hq, self.head_dim), name="q_proj")(x)
-        k = dense((hkv, self.head_dim), name="k_proj")(x)
-        v = dense((hkv, self.head_dim), name="v_proj")(x)
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
+        q = dense((hq, self.head_dim), use_bias=self.use_bias, name="q_proj")(x)
+        k = dense((hkv, self.head_dim), use_bias=self.use_bias, name="k_proj")(x)
+        v = dense((hkv, self.head_dim), use_bias=self.use_bias, name="v_proj")(x)
         o = opts.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                        rope_theta=self.rope_theta)
-        return dense(x.shape[-1], axis=(-2, -1), name="o_proj")(o)
+                        rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+        return dense(x.shape[-1], axis=(-2, -1), use_bias=out_bias, name="o_proj")(o)

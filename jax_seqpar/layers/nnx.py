@@ -2,7 +2,8 @@
 
 The NNX twin of ``layers/linen.py``: the same projections (``q_proj``, ``k_proj``,
 ``v_proj``: ``LinearGeneral`` kernels ``[d, H, D]``; ``o_proj``: ``[Hq, D, d]``), RoPE at
-global positions, and the same attention call (``layers/core.py``), so the two modules
+global positions (scaled by ``rope_scaling``), the same biases (``use_bias``,
+``out_bias``), and the same attention call (``layers/core.py``), so the two modules
 compute the same function of the same parameters.
 """
 
@@ -15,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_seqpar.layers.core import SeqParallelOptions
+from jax_seqpar.layers.rope import RopeScaling, as_rope_scaling
 from jax_seqpar.masks import WindowArg
 
 
@@ -32,8 +34,10 @@ class SeqParallelAttention(nnx.Module):
                  axis_name: str = "sp", layout: str = "contiguous", permuted: bool = False,
                  strategy: str = "ring", backward: str = "auto", kernel: Any = "auto",
                  causal: bool = False, window: WindowArg = None, seq_selective: bool = False,
-                 rope_theta: Optional[float] = 10000.0, use_bias: bool = False,
-                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 rope_theta: Optional[float] = 10000.0,
+                 rope_scaling: Optional[RopeScaling] = None, use_bias: bool = False,
+                 out_bias: Optional[bool] = None, dtype: Any = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
         hkv = num_kv_heads or num_heads
         if num_heads % hkv:
@@ -43,21 +47,24 @@ class SeqParallelAttention(nnx.Module):
                                           backward=backward, kernel=kernel, causal=causal,
                                           window=window, seq_selective=seq_selective)
         self.rope_theta = rope_theta
+        self.rope_scaling = as_rope_scaling(rope_scaling)
 
         def linear(inp, out, **kw):
-            return nnx.LinearGeneral(inp, out, use_bias=use_bias, dtype=dtype,
+            kw.setdefault("use_bias", use_bias)
+            return nnx.LinearGeneral(inp, out, dtype=dtype,
                                      param_dtype=param_dtype, kernel_init=kernel_init,
                                      rngs=rngs, **kw)
 
         self.q_proj = linear(in_features, (num_heads, head_dim))
         self.k_proj = linear(in_features, (hkv, head_dim))
         self.v_proj = linear(in_features, (hkv, head_dim))
-        self.o_proj = linear((num_heads, head_dim), in_features, axis=(-2, -1))
+        self.o_proj = linear((num_heads, head_dim), in_features, axis=(-2, -1),
+                             use_bias=use_bias if out_bias is None else out_bias)
 
     def __call__(self, x, segment_ids=None, positions=None):
         if x.ndim != 3:
             raise ValueError(f"x must have shape [batch, seq, features]; got {x.shape}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         o = self.options.attend(q, k, v, positions=positions, segment_ids=segment_ids,
-                                rope_theta=self.rope_theta)
+                                rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
         return self.o_proj(o)

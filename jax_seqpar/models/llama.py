@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jax_seqpar.layers.core import SeqParallelOptions
 from jax_seqpar.layers.linen import SeqParallelAttention
+from jax_seqpar.layers.rope import RopeScaling, as_rope_scaling
 from jax_seqpar.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
 from jax_seqpar.remat import REMAT_MODES, policy_for
@@ -55,6 +56,15 @@ class LlamaConfig:
     (``jax_seqpar.lm_head.fused_lm_head_loss``, with row / vocabulary tiles of
     ``loss_block_s`` / ``loss_block_v``; None picks its defaults) instead of materialising
     the logits.
+
+    What pretrained checkpoints need (``models.hf``; defaults keep the plain model):
+    ``rope_scaling`` (a ``layers.rope.RopeScaling`` or its dict: linear, dynamic, yarn,
+    llama3); ``attention_bias``: biases on the q/k/v projections (Qwen2), and
+    ``attention_out_bias`` on the output projection (Llama's ``attention_bias=True`` sets
+    both); ``mlp_bias``: biases on the SwiGLU projections (Llama's ``mlp_bias``);
+    ``max_position_embeddings``: the length the checkpoint states it was trained for
+    (metadata: the model never reads it; ``to_hf`` writes it back).  ``from_hf`` /
+    ``to_hf`` convert transformers' ``config.json`` dicts (``models.hf``).
     """
 
     vocab_size: int
@@ -74,6 +84,11 @@ class LlamaConfig:
     fused_loss: bool = True
     loss_block_s: Optional[int] = None
     loss_block_v: Optional[int] = None
+    rope_scaling: Optional[RopeScaling] = None
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -109,11 +124,29 @@ class LlamaConfig:
             raise ValueError(f"unknown remat={self.remat!r}; choose one of {REMAT_MODES}")
         if not isinstance(self.fused_loss, bool):
             raise TypeError(f"fused_loss={self.fused_loss!r} must be a bool")
-        for name in ("loss_block_s", "loss_block_v"):
+        for name in ("loss_block_s", "loss_block_v", "max_position_embeddings"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int)
                                     or val < 1):
                 raise ValueError(f"{name}={val!r} must be a positive int or None")
+        object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
+        for name in ("attention_bias", "attention_out_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+
+    @classmethod
+    def from_hf(cls, hf_config, **overrides) -> "LlamaConfig":
+        """From a transformers ``config.json`` dict (Llama, Mistral, Qwen2); ``overrides``
+        replace fields afterwards.  Unsupported fields raise a ``ValueError`` naming them
+        (``models.hf.config_from_hf``)."""
+        from jax_seqpar.models.hf_config import config_from_hf
+        return config_from_hf(hf_config, **overrides)
+
+    def to_hf(self, architecture: Optional[str] = None) -> dict:
+        """The transformers ``config.json`` dict of this model (``models.hf.config_to_hf``):
+        Llama, or Mistral for a window, Qwen2 for q/k/v-only biases, or ``architecture``."""
+        from jax_seqpar.models.hf_config import config_to_hf
+        return config_to_hf(self, architecture)
 
 
 class RMSNorm(nn.Module):
@@ -132,15 +165,16 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, as in Llama)."""
+    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, as in Llama); biases if ``use_bias``."""
 
     hidden: int
     dtype: Any = F32
     param_dtype: Any = F32
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,  # noqa: E731
+        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,  # noqa
                                          param_dtype=self.param_dtype, name=name)
         h = nn.silu(dense(self.hidden, "gate_proj")(x)) * dense(self.hidden, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(h)
@@ -161,11 +195,12 @@ class LlamaBlock(nn.Module):
             mesh=o.mesh, axis_name=o.axis_name, layout=o.layout, permuted=o.permuted,
             strategy=o.strategy, backward=o.backward, kernel=o.kernel, causal=True,
             window=c.window, seq_selective=o.seq_selective, rope_theta=c.rope_theta,
-            dtype=dt, param_dtype=pdt, name="attn")
+            rope_scaling=c.rope_scaling, use_bias=c.attention_bias,
+            out_bias=c.attention_out_bias, dtype=dt, param_dtype=pdt, name="attn")
         h = x + attn(RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x), segment_ids, positions)
         h = o.shard(h)
-        out = h + SwiGLU(c.ffn_dim, dt, pdt, name="mlp")(RMSNorm(c.norm_eps, dt, pdt,
-                                                                   name="mlp_norm")(h))
+        out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, name="mlp")(
+            RMSNorm(c.norm_eps, dt, pdt, name="mlp_norm")(h))
         return o.shard(out)
 
 

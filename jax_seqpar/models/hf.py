@@ -1,0 +1,351 @@
+"""Hugging Face checkpoints in and out of ``models.Llama``: Llama (2, 3, 3.1, 3.2), Mistral,
+Qwen2.
+
+    cfg, params = load_pretrained("path/to/Llama-3.1-8B", mesh=mesh, dtype="bfloat16")
+    model = Llama(cfg, mesh=mesh, layout="zigzag")
+    logits = jax.jit(model.apply)(params, tokens)
+    save_pretrained(cfg, params, "out/")            # transformers' from_pretrained reads it
+
+``load_pretrained`` reads ``config.json`` (``hf_config.config_from_hf``: every field it
+cannot map raises a ``ValueError`` naming it) and the weights from ``model.safetensors``
+or the shards listed in ``model.safetensors.index.json``.  It is **streamed**: one tensor
+at a time, each device's slice read from a memory map of that tensor alone
+(``safetensors_io.read_slice``) in the stored layout and placed by
+``jax.make_array_from_callback``, then transposed and converted on the devices, each
+device its own slice, onto the parameter's sharding: ``jax_seqpar.fsdp``'s
+(``params="fsdp"``), replicated over the mesh (``"replicated"``), or the first device
+(``mesh=None``).  So the host holds about one tensor beyond what it already held, and no
+device ever holds more of a sharded tensor than its own slice.  Weights are converted to
+``param_dtype`` on the devices.
+
+How transformers' tensors become the model's parameters (``tensor_map``): every linear
+weight ``W [out, in]`` is transposed (Flax kernels are ``[in, out]``); q/k/v kernels are
+``W.T.reshape(d, H, Dh)`` and their Qwen2 biases ``b.reshape(H, Dh)``, the output
+projection is ``W.T.reshape(H, Dh, d)``; embeddings, norms and the other biases as they
+are.  With ``tie_word_embeddings`` there is no ``lm_head`` (a stored ``lm_head.weight``
+is skipped, as transformers overwrites it with the embedding); ``rotary_emb.inv_freq``
+buffers of older checkpoints are skipped (recomputed from the config).  A missing,
+unexpected or misshapen tensor raises a ``ValueError`` naming it, its file and the
+config fields that set its shape.
+
+``save_pretrained`` writes ``config.json`` (``hf_config.config_to_hf``) and safetensors
+shards in transformers' names, each tensor gathered to the host on its own (all
+processes take part in the gather; only process 0 writes).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import math
+import os
+import re
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
+from jax_seqpar.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from jax_seqpar.models.safetensors_io import (TensorInfo, parse_size, plan_shards,
+                                              read_header, read_slice, write_file)
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PARAMS_MODES = ("fsdp", "replicated")
+_SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class Entry(NamedTuple):
+    """One parameter: transformers' name and shape; ``param = W.reshape(view).transpose(perm)``."""
+    hf_name: str
+    hf_shape: Tuple[int, ...]
+    view: Tuple[int, ...]
+    perm: Tuple[int, ...]
+    fields: str  # the config.json fields that set its shape
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.view[p] for p in self.perm)
+
+
+def tensor_map(cfg) -> Dict[Tuple[str, ...], Entry]:
+    """``{parameter path: Entry}`` for every parameter of ``Llama(cfg)``, in checkpoint
+    order (the paths of ``model.init(...)["params"]``, flattened)."""
+    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+    H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    out: Dict[Tuple[str, ...], Entry] = {}
+
+    def linear(path, name, n_out, n_in, fields):      # W [out, in] -> kernel [in, out]
+        out[tuple(path.split("/"))] = Entry(name, (n_out, n_in), (n_out, n_in), (1, 0), fields)
+
+    def same(path, name, shape, fields):
+        out[tuple(path.split("/"))] = Entry(name, tuple(shape), tuple(shape),
+                                            tuple(range(len(shape))), fields)
+
+    same("embed/embedding", "model.embed_tokens.weight", (V, d), "vocab_size, hidden_size")
+    for i in range(cfg.num_layers):
+        p, n = f"layer_{i}", f"model.layers.{i}"
+        same(f"{p}/attn_norm/scale", f"{n}.input_layernorm.weight", (d,), "hidden_size")
+        for proj, heads, hf in (("q", H, "num_attention_heads"), ("k", Hkv, "num_key_value_heads"),
+                                ("v", Hkv, "num_key_value_heads")):
+            fields = f"{hf}, head_dim, hidden_size"
+            out[(p, "attn", f"{proj}_proj", "kernel")] = Entry(
+                f"{n}.self_attn.{proj}_proj.weight", (heads * Dh, d), (heads, Dh, d), (2, 0, 1),
+                fields)
+            if cfg.attention_bias:
+                out[(p, "attn", f"{proj}_proj", "bias")] = Entry(
+                    f"{n}.self_attn.{proj}_proj.bias", (heads * Dh,), (heads, Dh), (0, 1),
+                    f"{hf}, head_dim")
+        out[(p, "attn", "o_proj", "kernel")] = Entry(
+            f"{n}.self_attn.o_proj.weight", (d, H * Dh), (d, H, Dh), (1, 2, 0),
+            "hidden_size, num_attention_heads, head_dim")
+        if cfg.attention_out_bias:
+            same(f"{p}/attn/o_proj/bias", f"{n}.self_attn.o_proj.bias", (d,), "hidden_size")
+        same(f"{p}/mlp_norm/scale", f"{n}.post_attention_layernorm.weight", (d,), "hidden_size")
+        for proj, n_out, n_in in (("gate", F, d), ("up", F, d), ("down", d, F)):
+            linear(f"{p}/mlp/{proj}_proj/kernel", f"{n}.mlp.{proj}_proj.weight", n_out, n_in,
+                   "intermediate_size, hidden_size")
+            if cfg.mlp_bias:
+                same(f"{p}/mlp/{proj}_proj/bias", f"{n}.mlp.{proj}_proj.bias", (n_out,),
+                     "intermediate_size" if n_out == F else "hidden_size")
+    same("final_norm/scale", "model.norm.weight", (d,), "hidden_size")
+    if not cfg.tie_embeddings:
+        linear("lm_head/kernel", "lm_head.weight", V, d, "vocab_size, hidden_size")
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+def checkpoint_tensors(path: str) -> Dict[str, TensorInfo]:
+    """``{name: TensorInfo}`` of a checkpoint directory: ``model.safetensors``, or the
+    shards that ``model.safetensors.index.json`` lists (every tensor of every listed file
+    is returned, listed or not, so that unexpected ones are seen)."""
+    index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' dict")
+        tensors: Dict[str, TensorInfo] = {}
+        for file in sorted(set(weight_map.values())):
+            infos, _ = read_header(os.path.join(path, file))
+            for name, info in infos.items():
+                if name in tensors:
+                    raise ValueError(f"tensor {name} is stored twice: in "
+                                     f"{os.path.basename(tensors[name].file)} and {file}")
+                tensors[name] = info
+        for name, file in weight_map.items():
+            if name not in tensors or os.path.basename(tensors[name].file) != file:
+                raise ValueError(f"{index} lists tensor {name} in {file}, which does not "
+                                 f"hold it")
+        return tensors
+    if os.path.exists(single):
+        return read_header(single)[0]
+    raise ValueError(f"{path}: neither {WEIGHTS} nor {INDEX} found (only safetensors "
+                     f"checkpoints are read; convert pytorch_model.bin with transformers' "
+                     f"save_pretrained(safe_serialization=True))")
+
+
+def _hint(name: str, cfg) -> str:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m.group(1)) >= cfg.num_layers:
+        return f"config.json has num_hidden_layers={cfg.num_layers}"
+    if name == "lm_head.weight":
+        return f"config.json has tie_word_embeddings={str(cfg.tie_embeddings).lower()}"
+    if name.endswith(".bias"):
+        return ("q/k/v/o biases come from attention_bias (Llama) / Qwen2ForCausalLM, MLP "
+                "biases from mlp_bias; config.json's architecture and fields give "
+                f"attention_bias={cfg.attention_bias}, attention_out_bias="
+                f"{cfg.attention_out_bias}, mlp_bias={cfg.mlp_bias}")
+    return "the architecture has no such weight"
+
+
+def _check(tensors: Dict[str, TensorInfo], tmap, cfg, arch: str) -> None:
+    wanted = {e.hf_name: e for e in tmap.values()}
+    for name, e in wanted.items():
+        if name not in tensors:
+            missing = sorted(set(wanted) - set(tensors))
+            raise ValueError(f"tensor {name} is missing from the checkpoint ({arch}; "
+                             f"{len(missing)} missing: {missing[:4]}{'...' * (len(missing) > 4)}"
+                             f"); {_hint(name, cfg)}")
+        info = tensors[name]
+        if info.shape != e.hf_shape:
+            raise ValueError(f"tensor {name} in {os.path.basename(info.file)} has shape "
+                             f"{list(info.shape)}; config.json ({e.fields}) gives "
+                             f"{list(e.hf_shape)}")
+    for name, info in tensors.items():
+        if name in wanted or _SKIPPED.match(name) or (cfg.tie_embeddings
+                                                       and name == "lm_head.weight"):
+            continue
+        raise ValueError(f"unexpected tensor {name} in {os.path.basename(info.file)}: "
+                         f"{arch} with this config.json has no such weight "
+                         f"({_hint(name, cfg)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _relayout(perm, dtype, sharding):
+    """Jitted ``transpose(x, perm).astype(dtype)`` onto ``sharding``: each device
+    transposes its own slice (the input's sharding is the output's, permuted), no
+    communication."""
+    return jax.jit(lambda x: jnp.transpose(x, perm).astype(dtype), out_shardings=sharding)
+
+
+def _source_sharding(sharding, perm):
+    """The sharding of the stored (view) layout whose transpose by ``perm`` is ``sharding``."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+    src = [None] * len(perm)
+    for i, p in enumerate(perm):
+        src[p] = spec[i]
+    return NamedSharding(sharding.mesh, P(*src))
+
+
+def _load_tensor(info: TensorInfo, e: Entry, sharding, dtype) -> jax.Array:
+    """One parameter onto ``sharding``: each device's slice read in the stored layout and
+    dtype (whole rows of the file), put on its device, then transposed and converted
+    there.  A slice that several devices share is read once."""
+    cache: Dict[tuple, np.ndarray] = {}
+
+    def read(index):
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = read_slice(info, e.view, index)
+        return cache[key]
+
+    x = jax.make_array_from_callback(e.view, _source_sharding(sharding, e.perm), read)
+    if e.perm != tuple(range(len(e.perm))) or x.dtype != dtype:
+        x = _relayout(e.perm, jnp.dtype(dtype), sharding)(x)
+    # wait, so that the host copies of this tensor are freed before the next one is read
+    # (host memory stays near one tensor even if reading outpaces the transfers)
+    return jax.block_until_ready(x)
+
+
+def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
+                    dtype: str = "bfloat16", param_dtype: str = "float32",
+                    params: str = "fsdp", ignore_fields=(), **config_overrides):
+    """``(LlamaConfig, params)`` from a transformers checkpoint directory.
+
+    ``dtype`` / ``param_dtype``: the model's activation and parameter dtypes (the weights
+    are converted to ``param_dtype`` as they are read).  ``params``: ``"fsdp"`` places
+    every tensor on ``fsdp.fsdp_shardings`` over ``mesh[axis_name]``, ``"replicated"``
+    replicates it over the mesh; ``mesh=None``: the first device.  ``config_overrides``
+    are ``LlamaConfig`` fields (``rope_theta=..., rope_scaling=...`` for context
+    extension, ``remat=...``); ``ignore_fields``: config.json fields known not to change
+    the model, accepted unread.  ``params`` is ``{"params": ...}`` as ``Llama.init``
+    returns it.
+    """
+    path = os.fspath(path)
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_file):
+        raise ValueError(f"{path}: no config.json (give a directory written by "
+                         f"transformers' save_pretrained)")
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    cfg = config_from_hf(hf, ignore=ignore_fields, dtype=dtype, param_dtype=param_dtype,
+                         **config_overrides)
+    arch = hf.get("architectures", ["?"])[0] if hf.get("architectures") else hf["model_type"]
+    tensors = checkpoint_tensors(path)
+    tmap = tensor_map(cfg)
+    _check(tensors, tmap, cfg, arch)
+    if mesh is None:
+        one = SingleDeviceSharding(jax.local_devices()[0])
+        shardings = {k: one for k in tmap}
+    elif params not in PARAMS_MODES:
+        raise ValueError(f"params={params!r} must be one of {PARAMS_MODES}")
+    else:
+        shapes = {k: jax.ShapeDtypeStruct(e.shape, jnp.dtype(cfg.param_dtype))
+                  for k, e in tmap.items()}
+        shardings = (fsdp_shardings(shapes, mesh, axis_name) if params == "fsdp"
+                     else replicated_shardings(shapes, mesh))
+    pdt = np.dtype(jnp.dtype(cfg.param_dtype))
+    flat = {k: _load_tensor(tensors[e.hf_name], e, shardings[k], pdt) for k, e in tmap.items()}
+    return cfg, {"params": unflatten_dict(flat)}
+
+
+# --------------------------------------------------------------------------- writing
+def _to_host(x) -> np.ndarray:
+    """The whole array on the host (all processes must call it for a multi-process one)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
+                    architecture: Optional[str] = None, extra_config: Optional[dict] = None
+                    ) -> None:
+    """Write ``config.json`` and safetensors weights that transformers'
+    ``from_pretrained`` loads (``model.safetensors``, or shards of at most
+    ``max_shard_size`` with ``model.safetensors.index.json``).
+
+    ``params``: ``{"params": ...}`` or the inner tree, any sharding; each tensor is
+    gathered to the host on its own and written at once.  ``dtype``: the stored dtype
+    (default ``config.param_dtype``).  ``architecture``: see ``LlamaConfig.to_hf``.
+    ``extra_config``: more ``config.json`` fields (e.g. ``bos_token_id``,
+    ``eos_token_id``).  Earlier ``model*.safetensors`` files and the index in ``path`` are
+    removed first.  Only process 0 writes; every process must call it.
+    """
+    path = os.fspath(path)
+    tree = params["params"] if isinstance(params, dict) and "params" in params else params
+    flat = flatten_dict(tree)
+    tmap = tensor_map(config)
+    for key in flat:
+        if key not in tmap:
+            raise ValueError(f"parameter {'/'.join(key)} is not a parameter of "
+                             f"Llama(config); check the config's biases / tie_embeddings")
+    for key, e in tmap.items():
+        if key not in flat:
+            raise ValueError(f"parameter {'/'.join(key)} ({e.hf_name}) is missing")
+        if tuple(flat[key].shape) != e.shape:
+            raise ValueError(f"parameter {'/'.join(key)} has shape {tuple(flat[key].shape)}; "
+                             f"the config gives {e.shape}")
+    save_dt = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    hf = config_to_hf(config, architecture)
+    hf["dtype"] = jnp.dtype(save_dt).name
+    hf.update(extra_config or {})
+    by_name = {e.hf_name: (k, e) for k, e in tmap.items()}
+    sizes = [(e.hf_name, math.prod(e.hf_shape) * save_dt.itemsize) for e in tmap.values()]
+    groups = plan_shards(sizes, parse_size(max_shard_size))
+    files = ([WEIGHTS] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for old in glob.glob(os.path.join(path, "model*.safetensors")) + [
+                os.path.join(path, INDEX)]:
+            if os.path.exists(old):
+                os.remove(old)
+
+    def produce(name):
+        key, e = by_name[name]
+        x = _to_host(flat[key])
+        inverse = tuple(int(i) for i in np.argsort(e.perm))
+        return np.ascontiguousarray(x.transpose(inverse).reshape(e.hf_shape).astype(save_dt))
+
+    for file, group in zip(files, groups):
+        entries = [(n, save_dt, by_name[n][1].hf_shape) for n in group]
+        if writer:
+            write_file(os.path.join(path, file), entries, produce, {"format": "pt"})
+        else:
+            for n in group:
+                produce(n)
+    if writer:
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(s for _, s in sizes)},
+                     "weight_map": {n: f for f, g in zip(files, groups) for n in g}}
+            with open(os.path.join(path, INDEX), "w") as f:
+                json.dump(index, f, indent=2)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2, sort_keys=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jax_seqpar.save_pretrained")
+
+
+__all__ = ["ARCHITECTURES", "Entry", "checkpoint_tensors", "config_from_hf", "config_to_hf",
+           "load_pretrained", "save_pretrained", "tensor_map"]

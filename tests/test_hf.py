@@ -1,0 +1,398 @@
+"""Hugging Face checkpoints (``jax_seqpar.models.hf``) against transformers' own outputs.
+
+The checkpoints and reference values under ``tests/fixtures/hf/`` were written by
+transformers itself (``tests/fixtures/make_hf_fixtures.py``); nothing here needs torch.
+Logits within 1e-5 (float32, norm-wise) on one device and on 8 devices (zigzag for every
+checkpoint, striped for some); save -> load round trips; multi-file checkpoints;
+``params="fsdp"`` / ``"replicated"`` shardings; every bad input raising a ``ValueError``
+that names the field or tensor.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from helpers import assert_close
+from jax_seqpar.fsdp import fsdp_shardings
+from jax_seqpar.layers.rope import RopeScaling
+from jax_seqpar.models import Llama, LlamaConfig
+from jax_seqpar.models.hf import (checkpoint_tensors, load_pretrained, save_pretrained,
+                                  tensor_map)
+from jax_seqpar.models.hf_config import config_from_hf
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+NAMES = ["llama_plain", "llama_linear", "llama_dynamic", "llama_yarn", "llama_llama3",
+         "llama32_tied", "llama_bias", "mistral", "qwen2"]
+TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def auto_mesh(G=8):
+    return jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                         axis_types=(AxisType.Auto,))
+
+
+def ref(name):
+    return np.load(os.path.join(FIX, f"{name}.npz"))
+
+
+def hf_json(name):
+    with open(os.path.join(FIX, name, "config.json")) as f:
+        return json.load(f)
+
+
+def logits(cfg, params, ids, mesh=None, layout="zigzag"):
+    return jax.jit(Llama(cfg, mesh=mesh, layout=layout).apply)(params, jnp.asarray(ids))
+
+
+# --------------------------------------------------------------------------- config
+def test_configs_map_every_field():
+    want = {"llama_plain": dict(rope_theta=10000.0, rope_scaling=None, window=None),
+            "llama32_tied": dict(head_dim=32, tie_embeddings=True, rope_theta=500000.0),
+            "llama_bias": dict(attention_bias=True, attention_out_bias=True, mlp_bias=True),
+            "mistral": dict(window=(15, 0), rope_theta=1e6, attention_bias=False),
+            "qwen2": dict(attention_bias=True, attention_out_bias=False, window=None)}
+    for name in NAMES:
+        cfg = LlamaConfig.from_hf(hf_json(name))
+        assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                cfg.ffn_dim, cfg.norm_eps) == (128, 64, 2, 4, 2, 96, 1e-6), name
+        for field, val in want.get(name, {}).items():
+            assert getattr(cfg, field) == val, (name, field)
+        # the tensor map covers exactly the model's parameter tree
+        shapes = jax.eval_shape(Llama(cfg).init, jax.random.key(0),
+                                jnp.zeros((1, 4), jnp.int32))["params"]
+        flat = {tuple(k.key for k in path): v.shape
+                for path, v in jax.tree_util.tree_leaves_with_path(shapes)}
+        assert flat == {k: e.shape for k, e in tensor_map(cfg).items()}, name
+        # to_hf -> from_hf is the identity; the architecture is kept
+        back = cfg.to_hf()
+        assert back["architectures"] == hf_json(name)["architectures"], name
+        assert LlamaConfig.from_hf(back) == cfg, name
+    ys = LlamaConfig.from_hf(hf_json("llama_yarn")).rope_scaling
+    assert ys == RopeScaling("yarn", 4.0, original_max_position_embeddings=2048)
+
+
+def test_legacy_rope_fields_and_overrides():
+    """transformers 4.x files: rope_theta / rope_scaling (with "type") at the top."""
+    hf = hf_json("llama_llama3")
+    params = hf.pop("rope_parameters")
+    hf["rope_theta"] = params.pop("rope_theta")
+    hf["rope_scaling"] = dict(params, type=params.pop("rope_type"))
+    assert LlamaConfig.from_hf(hf) == LlamaConfig.from_hf(hf_json("llama_llama3"))
+    # context extension: overrides replace fields after the mapping
+    cfg = LlamaConfig.from_hf(hf, rope_theta=8e6, rope_scaling=None, dtype="bfloat16")
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.dtype) == (8e6, None, "bfloat16")
+    with pytest.raises(ValueError, match=r"rope_theta=1.0 and rope_parameters.rope_theta="
+                                         r"500000.0 disagree"):
+        LlamaConfig.from_hf(dict(hf_json("llama_llama3"), rope_theta=1.0))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(architectures=["GPTNeoXForCausalLM"]), "architectures.*supported"),
+    (dict(architectures=None, model_type="gemma"), "model_type='gemma'"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
+                           "long_factor": [1.0], "original_max_position_embeddings": 64}),
+     "rope_type='longrope' is not supported"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+     "low_freq_factor is required"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4,
+                           "beta_fast": 4}), "beta_fast=4 is not used by rope_type='linear'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    (dict(some_new_field=3), r"\['some_new_field'\].*ignore="),
+    (dict(layer_types=["full_attention"] * 2), r"\['layer_types'\]"),  # Llama has none
+])
+def test_unsupported_config_fields_raise(change, match):
+    hf = {k: v for k, v in {**hf_json("llama_plain"), **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf(hf)
+
+
+def test_mistral_window_defaults_like_transformers():
+    """MistralConfig's sliding_window is 4096 when config.json leaves it out; null is none."""
+    hf = hf_json("mistral")
+    assert LlamaConfig.from_hf({k: v for k, v in hf.items() if k != "sliding_window"}
+                               ).window == (4095, 0)
+    assert LlamaConfig.from_hf(dict(hf, sliding_window=None)).window is None
+
+
+def test_qwen2_sliding_windows():
+    hf = hf_json("qwen2")
+    per_layer = dict(hf, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    per_layer.pop("layer_types")
+    with pytest.raises(ValueError, match="use_sliding_window=True with max_window_layers=1"):
+        LlamaConfig.from_hf(per_layer)
+    mixed = dict(hf, use_sliding_window=True, sliding_window=16,
+                 layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match="per-layer windows are not supported"):
+        LlamaConfig.from_hf(mixed)
+    every = dict(per_layer, max_window_layers=0)
+    assert LlamaConfig.from_hf(every).window == (15, 0)
+    assert LlamaConfig.from_hf(dict(every, use_sliding_window=False)).window is None
+    cfg = LlamaConfig.from_hf(every)
+    assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_to_hf_refuses_what_an_architecture_cannot_express():
+    cfg = LlamaConfig(vocab_size=16, window=(7, 0))
+    assert cfg.to_hf()["architectures"] == ["MistralForCausalLM"]
+    assert cfg.to_hf()["sliding_window"] == 8
+    with pytest.raises(ValueError, match="window=.*LlamaForCausalLM"):
+        cfg.to_hf("LlamaForCausalLM")
+    with pytest.raises(ValueError, match="mlp_bias=True cannot be written as Mistral"):
+        LlamaConfig(vocab_size=16, mlp_bias=True).to_hf("MistralForCausalLM")
+    with pytest.raises(ValueError, match="attention_out_bias"):
+        LlamaConfig(vocab_size=16, attention_bias=True, mlp_bias=True).to_hf()
+    with pytest.raises(ValueError, match="architecture='Foo'"):
+        LlamaConfig(vocab_size=16).to_hf("Foo")
+
+
+# --------------------------------------------------------------------------- logits
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_one_device(name):
+    r = ref(name)
+    cfg, params = load_pretrained(os.path.join(FIX, name), dtype="float32")
+    first = {jax.local_devices()[0]}
+    assert all(x.sharding.device_set == first for x in jax.tree.leaves(params))
+    assert_close(logits(cfg, params, r["input_ids"]), r["logits"], TOL, name)
+
+
+@pytest.mark.parametrize("name, layout", [(n, "zigzag") for n in NAMES] + [
+    ("mistral", "striped"), ("qwen2", "striped")])
+def test_logits_eight_devices(name, layout):
+    r = ref(name)
+    cfg, params = load_pretrained(os.path.join(FIX, name), mesh=auto_mesh(), dtype="float32")
+    assert_close(logits(cfg, params, r["input_ids"], auto_mesh(), layout), r["logits"], TOL,
+                 f"{name} {layout}")
+
+
+def test_dynamic_ntk_at_a_stated_length_and_scaling_matters():
+    """transformers' dynamic NTK recomputes its frequencies for a 64-token input when
+    max_position_embeddings=32; ours, computed once for seq_len=64, gives its logits.
+    Ignoring the scaling of a llama3 checkpoint is far off (the test is not vacuous)."""
+    r = ref("llama_dynamic")
+    stated = RopeScaling("dynamic", 4.0, original_max_position_embeddings=32, seq_len=64)
+    cfg, params = load_pretrained(os.path.join(FIX, "llama_dynamic"), dtype="float32",
+                                  rope_scaling=stated)
+    assert_close(logits(cfg, params, r["input_ids"]), r["logits_dynamic_long"], TOL, "dyn")
+    r = ref("llama_llama3")
+    cfg, params = load_pretrained(os.path.join(FIX, "llama_llama3"), dtype="float32",
+                                  rope_scaling=None)
+    err = np.linalg.norm(np.asarray(logits(cfg, params, r["input_ids"])) - r["logits"])
+    assert err / np.linalg.norm(r["logits"]) > 1e-3
+
+
+# --------------------------------------------------------------------------- files
+def test_multi_file_checkpoint_is_read_by_its_index():
+    path = os.path.join(FIX, "llama_plain")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert len(files) == 3 and os.path.exists(os.path.join(path,
+                                                           "model.safetensors.index.json"))
+    tensors = checkpoint_tensors(path)
+    assert {os.path.basename(t.file) for t in tensors.values()} == set(files)
+    _, params = load_pretrained(path, dtype="float32")
+    with safe_open(os.path.join(path, "model-00003-of-00003.safetensors"), "numpy") as f:
+        name = next(n for n in f.keys() if n.endswith("down_proj.weight"))
+        layer = name.split(".")[2]
+        np.testing.assert_array_equal(
+            np.asarray(params["params"][f"layer_{layer}"]["mlp"]["down_proj"]["kernel"]),
+            f.get_tensor(name).T)
+
+
+def random_params(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    flat = {k: rng.standard_normal(e.shape).astype(np.float32)
+            for k, e in tensor_map(cfg).items()}
+    from flax.traverse_util import unflatten_dict
+    return {"params": unflatten_dict(flat)}
+
+
+def test_fsdp_and_replicated_shardings_and_round_trip(tmp_path):
+    """A checkpoint large enough to be split: every tensor on its FSDP sharding (no device
+    holds a whole sharded tensor), or replicated; values equal to what was saved."""
+    cfg = LlamaConfig(vocab_size=512, d_model=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                      ffn_dim=256, attention_bias=True, max_position_embeddings=4096)
+    params = random_params(cfg)
+    save_pretrained(cfg, params, tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    mesh = auto_mesh()
+    loaded_cfg, fsdp = load_pretrained(tmp_path, mesh=mesh, dtype="float32")
+    assert loaded_cfg == cfg
+    _, repl = load_pretrained(tmp_path, mesh=mesh, dtype="float32", params="replicated")
+    want = fsdp_shardings(params, mesh, "sp")
+    split = 0
+    for x, r, w, s in zip(jax.tree.leaves(fsdp), jax.tree.leaves(repl),
+                          jax.tree.leaves(params), jax.tree.leaves(want)):
+        assert x.sharding.spec == s.spec and x.sharding.mesh == mesh
+        assert r.sharding.is_fully_replicated and len(r.sharding.device_set) == 8
+        if s.spec != P(*[None] * x.ndim):
+            split += 1
+            assert all(sh.data.size * 8 == x.size for sh in x.addressable_shards)
+        np.testing.assert_array_equal(np.asarray(x), w)
+        np.testing.assert_array_equal(np.asarray(r), w)
+    assert split >= 4  # embedding, lm_head and the MLP kernels at least
+
+
+def test_save_round_trip_in_hf_names(tmp_path):
+    """Saved files hold transformers' names and layouts (read back by safetensors
+    itself), the config survives, and loading gives the same parameters."""
+    for name in ("qwen2", "llama32_tied", "llama_bias"):
+        src = os.path.join(FIX, name)
+        cfg, params = load_pretrained(src, dtype="float32")
+        out = tmp_path / name
+        save_pretrained(cfg, params, out)
+        assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+        saved, orig = load_file(out / "model.safetensors"), {}
+        for t in checkpoint_tensors(src):
+            with safe_open(checkpoint_tensors(src)[t].file, "numpy") as f:
+                orig[t] = f.get_tensor(t)
+        assert saved.keys() == orig.keys(), name
+        for t in saved:
+            np.testing.assert_array_equal(saved[t], orig[t], err_msg=f"{name} {t}")
+        cfg2, params2 = load_pretrained(out, dtype="float32")
+        assert cfg2 == cfg
+        jax.tree.map(np.testing.assert_array_equal, params2, params)
+    # bf16 on disk: read back (converted) by our reader and by safetensors' jax reader
+    save_pretrained(cfg, params, tmp_path / "bf16", dtype="bfloat16")
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    _, p16 = load_pretrained(tmp_path / "bf16", dtype="float32")
+    k = params["params"]["embed"]["embedding"]
+    np.testing.assert_array_equal(np.asarray(p16["params"]["embed"]["embedding"]),
+                                  np.asarray(k.astype(jnp.bfloat16).astype(jnp.float32)))
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "flax") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == jnp.bfloat16
+
+
+def test_save_refuses_a_tree_that_is_not_the_config(tmp_path):
+    cfg = LlamaConfig(vocab_size=32, d_model=16, num_heads=2, num_kv_heads=1, num_layers=1)
+    params = random_params(cfg)
+    with pytest.raises(ValueError, match="parameter lm_head/kernel is not a parameter"):
+        save_pretrained(dataclasses.replace(cfg, tie_embeddings=True), params, tmp_path)
+    with pytest.raises(ValueError, match="parameter layer_0/attn/q_proj/bias .* missing"):
+        save_pretrained(dataclasses.replace(cfg, attention_bias=True), params, tmp_path)
+    with pytest.raises(ValueError, match="max_shard_size='lots'"):
+        save_pretrained(cfg, params, tmp_path, max_shard_size="lots")
+
+
+# --------------------------------------------------------------------------- bad inputs
+def edited_copy(tmp_path, name, edit):
+    """A copy of fixture ``name`` whose one-file tensors dict is passed through ``edit``."""
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(FIX, name), dst)
+    tensors = load_file(dst / "model.safetensors")
+    save_file(edit(tensors), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_missing_extra_and_misshapen_tensors_are_named(tmp_path):
+    up = "model.layers.1.mlp.up_proj.weight"
+
+    def drop(t):
+        del t[up]
+        return t
+
+    with pytest.raises(ValueError, match=f"tensor {up} is missing"):
+        load_pretrained(edited_copy(tmp_path / "a", "qwen2", drop))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.2.mlp.up_proj.weight"
+                                         ".*num_hidden_layers=2"):
+        load_pretrained(edited_copy(tmp_path / "b", "qwen2",
+                                    lambda t: {**t, up.replace(".1.", ".2."): t[up]}))
+    with pytest.raises(ValueError, match=f"tensor {up} in model.safetensors has shape "
+                                         r"\[96, 32\]; config.json \(intermediate_size"):
+        load_pretrained(edited_copy(tmp_path / "c", "qwen2",
+                                    lambda t: {**t, up: t[up][:, :32].copy()}))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.up_proj.bias"
+                                         ".*mlp_bias=False"):
+        load_pretrained(edited_copy(tmp_path / "d", "qwen2",
+                                    lambda t: {**t, "model.layers.0.mlp.up_proj.bias":
+                                               np.zeros(96, np.float32)}))
+    # a stored lm_head of a tied model and rotary buffers are skipped, as in transformers
+    tied = edited_copy(tmp_path / "e", "llama32_tied", lambda t: {
+        **t, "lm_head.weight": t["model.embed_tokens.weight"],
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32)})
+    load_pretrained(tied)
+
+
+def test_bad_directories_and_arguments(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_pretrained(tmp_path)
+    shutil.copy(os.path.join(FIX, "qwen2", "config.json"), tmp_path / "config.json")
+    with pytest.raises(ValueError, match="neither model.safetensors nor"):
+        load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"config overrides \['num_experts'\]"):
+        load_pretrained(os.path.join(FIX, "qwen2"), num_experts=8)
+    with pytest.raises(ValueError, match="params='zero'"):
+        load_pretrained(os.path.join(FIX, "qwen2"), mesh=auto_mesh(), params="zero")
+    src = os.path.join(FIX, "llama_plain")
+    bad = tmp_path / "idx"
+    shutil.copytree(src, bad)
+    with open(bad / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    index["weight_map"]["model.norm.weight"] = "model-00001-of-00003.safetensors"
+    with open(bad / "model.safetensors.index.json", "w") as f:
+        json.dump(index, f)
+    with pytest.raises(ValueError, match="lists tensor model.norm.weight in "
+                                         "model-00001-of-00003.safetensors, which does not"):
+        load_pretrained(bad)
+    hf = hf_json("qwen2")
+    assert config_from_hf(dict(hf, my_note="x"), ignore=["my_note"]) == \
+        LlamaConfig.from_hf(hf)
+
+
+def test_hf_load_benchmark_tiny(tmp_path, monkeypatch, capsys):
+    """``benchmarks/hf_load.py`` writes a checkpoint, loads it in a fresh process and
+    reports host memory against the target."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import hf_load
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert hf_load.main(["--shape", "tiny", "--dir", str(tmp_path / "ckpt"), "--devices",
+                         "2"]) == 0
+    out = capsys.readouterr().out
+    assert "loader transient peak" in out and "OK" in out
+    with open(tmp_path / "out" / "hf_load_tiny_cpu2_fsdp_float32.json") as f:
+        row = json.load(f)
+    assert row["parameters"] > 0 and row["peak_rss"] >= row["rss_before"] > 0
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_two_processes_load_and_save(tmp_path):
+    """2 processes x 4 devices: each process reads only its devices' slices, save
+    gathers each tensor from both and process 0 writes files equal to the source."""
+    cfg = LlamaConfig(vocab_size=512, d_model=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                      ffn_dim=256, max_position_embeddings=4096)
+    save_pretrained(cfg, random_params(cfg, 5), tmp_path / "src")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(tests)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_SEQPAR_", "SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        [repo, tests] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+    r = subprocess.run([sys.executable, "-m", "jax_seqpar", "launch", "--num-processes", "2",
+                        "--devices-per-process", "4", "--timeout", "150", "--",
+                        sys.executable, "-c", "import sys, mp_worker_hf as w; "
+                        "sys.exit(w.main(sys.argv[1], sys.argv[2]))",
+                        str(tmp_path / "src"), str(tmp_path / "dst")],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=170)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert "[p1] process 1 of 2 saved" in r.stdout
+    src, dst = checkpoint_tensors(tmp_path / "src"), checkpoint_tensors(tmp_path / "dst")
+    assert src.keys() == dst.keys() and len({t.file for t in dst.values()}) > 1
+    for name in src:
+        with safe_open(src[name].file, "numpy") as f, safe_open(dst[name].file, "numpy") as g:
+            np.testing.assert_array_equal(f.get_tensor(name), g.get_tensor(name), name)
