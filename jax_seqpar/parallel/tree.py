@@ -133,13 +133,22 @@ def _tree_seq(cfg, q, k, v, seg):
     return _tree_seq_fwd(cfg, q, k, v, seg)[0]
 
 
-def _tree_seq_fwd(cfg, q, k, v, seg):
+def gathered_query_attention(cfg, q, k, v, q_pos_all, kv_pos, seg_all=None, kv_seg=None):
+    """Steps 1-3 above with the positions given: this device's queries ``q`` ``[B, T, ...]``
+    are gathered over ``cfg.axis_name`` (every device then holds all ``G * T`` rows, whose
+    global positions are ``q_pos_all`` ``[G * T]``, segment ids ``seg_all`` ``[B, G * T]``)
+    and attend to the local keys at ``kv_pos`` ``[Tk]`` (``Tk`` need not equal ``T``);
+    one ``pmax`` and one ``psum_scatter`` return this device's rows: ``(o, lse)`` with
+    ``o`` ``[B, T, Hq, D]`` in ``q.dtype`` and ``lse`` ``[B, Hq, T]`` float32.
+
+    ``models.generate`` uses it to prefill a prompt chunk against the KV cache already
+    written (queries few, keys many: Tree Attention Alg. 3, lines 2-6).
+    """
     T = q.shape[1]
     ax = cfg.axis_name
-    q_pos, kv_pos = _positions(cfg, T)
     q_all = _gather(q, ax, 1)
-    seg_all = None if seg is None else _gather(seg, ax, 1)
-    o, lse = cfg.kernel.fwd(q_all, k, v, q_pos, kv_pos, cfg.mask, cfg.scale, seg_all, seg)
+    o, lse = cfg.kernel.fwd(q_all, k, v, q_pos_all, kv_pos, cfg.mask, cfg.scale, seg_all,
+                            kv_seg)
     o = o.astype(jnp.float32)
     m = lax.pmax(lse, ax)                                  # [B, H, S], Alg. 3 line 3
     m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
@@ -153,6 +162,13 @@ def _tree_seq_fwd(cfg, q, k, v, seg):
     m_l = lax.dynamic_slice_in_dim(m_safe, idx * T, T, axis=2)
     d_l = jnp.swapaxes(d_l[..., 0], 1, 2)                  # [B, H, T]
     lse_l = jnp.where(d_l > 0, m_l + jnp.log(jnp.where(d_l > 0, d_l, 1.0)), -jnp.inf)
+    return o_l, lse_l
+
+
+def _tree_seq_fwd(cfg, q, k, v, seg):
+    q_pos, kv_pos = _positions(cfg, q.shape[1])
+    seg_all = None if seg is None else _gather(seg, cfg.axis_name, 1)
+    o_l, lse_l = gathered_query_attention(cfg, q, k, v, q_pos, kv_pos, seg_all, seg)
     return o_l, (q, k, v, seg, o_l, lse_l)
 
 

@@ -1,0 +1,181 @@
+"""Generation (``models.generate``): ring prefill + tree decoding with a striped KV cache.
+
+* greedy tokens on 8 simulated devices equal one device's (float32), for a ragged batch
+  whose prompts need several prefill passes; and both equal a plain greedy loop that runs
+  the whole model (``Llama.apply``) on the growing sequence;
+* transformers' greedy ``generate`` on the tiny reference checkpoints, token for token
+  (``tests/fixtures/hf``, written by transformers; no torch here);
+* the compiled decode step communicates one ``pmax`` and one ``psum`` per layer, with the
+  bytes of Tree Attention Eq. 10-14, and no collective-permute / all-gather;
+* sampling, ``eos_id``, ``callback`` and every bad argument.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from jax_seqpar.comm import collective_bytes
+from jax_seqpar.models import Llama, LlamaConfig
+from jax_seqpar.models.generate import generate, generator_for, make_plan
+from jax_seqpar.models.hf import load_pretrained
+from jax_seqpar.models.sampling import sample_logits, top_k_mask, top_p_mask
+
+CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+HF_NAMES = ["llama_plain", "llama_linear", "llama_dynamic", "llama_yarn", "llama_llama3",
+            "llama32_tied", "llama_bias", "mistral", "qwen2"]
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(G):
+    return jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                         axis_types=(AxisType.Auto,))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny():
+    model = Llama(CFG)
+    toks = jax.random.randint(jax.random.key(1), (3, 40), 0, CFG.vocab_size)
+    return model, jax.jit(model.init)(jax.random.key(0), toks), np.asarray(toks)
+
+
+LENGTHS = np.array([40, 13, 29])
+
+
+def greedy_reference(model, params, prompt, n):
+    """Greedy decoding by running the whole model on the growing sequence."""
+    apply = jax.jit(model.apply)
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(apply(params, jnp.asarray([seq]))[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_eight_devices_equal_one_device_and_the_plain_model():
+    model, params, toks = tiny()
+    one = generate(model, params, toks, max_new_tokens=7, prompt_lengths=LENGTHS)
+    # 16-token prefill passes: 3 passes, the first by ring attention, the rest against
+    # the cache written so far; rows end in different passes.
+    eight = generate(model, params, toks, max_new_tokens=7, prompt_lengths=LENGTHS,
+                     mesh=mesh(8), prefill_chunk=16)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(eight))
+    b = 1  # the shortest row, beyond its prompt the padding is someone else's tokens
+    want = greedy_reference(model, params, toks[b, :LENGTHS[b]], 7)
+    np.testing.assert_array_equal(np.asarray(one)[b], want)
+
+
+def test_hf_reference_checkpoints_generate_like_transformers():
+    """Each checkpoint: its two prompts (7 and 21 tokens) as one ragged batch, greedy,
+    8 new tokens, against transformers' greedy ``generate`` run on each prompt alone
+    (Mistral's window of 16 is crossed by the 29-token second row)."""
+    for name in HF_NAMES:
+        r = np.load(os.path.join(FIX, f"{name}.npz"))
+        cfg, params = load_pretrained(os.path.join(FIX, name), dtype="float32")
+        p0, p1 = r["prompt_0"], r["prompt_1"]
+        prompts = np.zeros((2, len(p1)), np.int32)
+        prompts[0, :len(p0)], prompts[1] = p0, p1
+        out = np.asarray(generate(Llama(cfg), params, prompts, max_new_tokens=8,
+                                  prompt_lengths=np.array([len(p0), len(p1)])))
+        np.testing.assert_array_equal(out[0], r["generated_0"][len(p0):], name)
+        np.testing.assert_array_equal(out[1], r["generated_1"][len(p1):], name)
+
+
+def test_decode_step_sends_one_pmax_and_one_psum_per_layer():
+    model, params, _ = tiny()
+    G, B = 8, 3
+    gen = generator_for(model, (B, 40), 4, mesh=mesh(G))
+    c, slots = CFG, gen.plan.cache_len
+    cache = tuple(tuple(jnp.zeros((B, slots, c.num_kv_heads, c.head_dim))
+                        for _ in range(c.num_layers)) for _ in range(2))
+    report = collective_bytes(jax.jit(gen.step), params, jnp.zeros((B,), jnp.int32),
+                              jnp.full((B,), 41, jnp.int32), cache)
+    counts = report.count_by_kind()
+    assert counts == {"all-reduce": 2 * c.num_layers}, report.summary()
+    # Eq. 10-14: pmax of lse [B, Hq, 1] and one fused psum of [B, 1, Hq, D + 1] per layer
+    per_layer = 2 * (G - 1) / G * 4 * (B * c.num_heads + B * c.num_heads * (c.head_dim + 1))
+    assert report.total_bytes == pytest.approx(c.num_layers * per_layer, rel=1e-6)
+
+
+def test_eos_stops_rows_and_fills_them():
+    model, params, toks = tiny()
+    free = np.asarray(generate(model, params, toks, max_new_tokens=6, prompt_lengths=LENGTHS))
+    eos = int(free[0, 2])
+    out = np.asarray(generate(model, params, toks, max_new_tokens=6,
+                              prompt_lengths=LENGTHS, eos_id=eos))
+    for b in range(3):
+        hits = np.flatnonzero(free[b] == eos)
+        stop = hits[0] if hits.size else 6
+        np.testing.assert_array_equal(out[b, :stop + 1], free[b, :stop + 1])
+        assert (out[b, stop + 1:] == eos).all()
+
+
+def test_sampling_is_deterministic_per_key_and_streams_in_order():
+    model, params, toks = tiny()
+    kw = dict(max_new_tokens=5, prompt_lengths=LENGTHS, temperature=0.8, top_k=20,
+              top_p=0.9, mesh=mesh(4))
+    seen = []
+    a = generate(model, params, toks, rng=jax.random.key(3),
+                 callback=lambda step, t: seen.append((step, t.tolist())), **kw)
+    a = np.asarray(jax.block_until_ready(a))
+    b = np.asarray(generate(model, params, toks, rng=jax.random.key(3), **kw))
+    c = np.asarray(generate(model, params, toks, rng=jax.random.key(4), **kw))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert [s for s, _ in seen] == list(range(5))
+    np.testing.assert_array_equal(np.array([t for _, t in seen]).T, a)
+
+
+def test_sampling_functions():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]]))
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(sample_logits(logits, key), [0, 3])
+    assert np.isinf(top_k_mask(logits, 2)).sum(axis=-1).tolist() == [2, 2]
+    # nucleus of 0.7: {0.5, 0.3} and {0.4, 0.3}; p tiny keeps only the most likely
+    kept = np.isfinite(top_p_mask(logits, 0.7))
+    assert kept.tolist() == [[True, True, False, False], [False, False, True, True]]
+    for _ in range(3):
+        key, sub = jax.random.split(key)
+        np.testing.assert_array_equal(
+            sample_logits(logits, sub, temperature=1.0, top_p=1e-3), [0, 3])
+        np.testing.assert_array_equal(
+            sample_logits(logits, sub, temperature=2.0, top_k=1), [0, 3])
+    draws = jax.vmap(lambda k: sample_logits(logits, k, temperature=1.0))(
+        jax.random.split(jax.random.key(1), 4000))
+    freq = np.bincount(np.asarray(draws[:, 0]), minlength=4) / 4000
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(cache_len=30), "prompts .40 tokens wide. are longer than cache_len=30"),
+    (dict(cache_len=44), "no room for max_new_tokens=8"),
+    (dict(cache_len=50, mesh_g=4), "cache_len=50 must be divisible by the 4 devices"),
+    (dict(prefill_chunk=6, mesh_g=4), "prefill_chunk=6 must be a positive multiple"),
+    (dict(prompt_lengths=np.array([3, 0, 2])), r"rows \[1\] do not"),
+    (dict(prompt_lengths=np.array([3, 4])), "shape \\[batch\\]"),
+    (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=0), "top_k=0"),
+    (dict(eos_id=61), "eos_id=61"),
+    (dict(prompts=np.zeros((3,), np.int32)), "prompts must be integer"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+    model, params, toks = tiny()
+    kwargs = dict(kwargs)
+    G = kwargs.pop("mesh_g", 1)
+    prompts = kwargs.pop("prompts", toks)
+    kwargs.setdefault("max_new_tokens", 8)
+    with pytest.raises(ValueError, match=match):
+        generate(model, params, prompts, mesh=mesh(G), **kwargs)
+
+
+def test_plan_pads_prompts_to_whole_passes():
+    plan = make_plan(2, 100, 10, 4, max_prompt_len=90, prefill_chunk=32)
+    assert (plan.num_chunks, plan.padded_len, plan.cache_len) == (4, 128, 128)
+    plan = make_plan(2, 100, 50, 4, max_prompt_len=100)
+    assert (plan.num_chunks, plan.chunk, plan.cache_len) == (1, 100, 152)
