@@ -59,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="examples/out")
+    p.add_argument("--export", default=None,
+                   help="also write the trained model as a transformers checkpoint "
+                        "(models.hf.save_pretrained) with the task's token ids in "
+                        "recall_task.json: what benchmarks/needle.py evaluates")
     return p.parse_args(argv)
 
 
@@ -83,6 +87,7 @@ from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 from jax_seqpar.kernels import KernelRequest, XlaKernel  # noqa: E402
 from jax_seqpar.kernels.tiles import TileKernels  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
+from jax_seqpar.data.recall import RecallTask  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
 from jax_seqpar.training import init_train_state, make_train_step  # noqa: E402
 
@@ -105,39 +110,6 @@ def choose_kernel(a, cfg):
                          f"{a.kernel} runs {resolved.name} here; drop --block or pass "
                          f"--kernel xla")
     return a.kernel, resolved.name
-
-
-class RecallTask:
-    """Token ids: 0 unused, then key tokens, value tokens, filler, fact tokens."""
-
-    def __init__(self, seq_len, pairs, keys, values, filler=32):
-        if pairs > keys:
-            raise ValueError(f"--pairs={pairs} must not exceed --keys={keys} (keys are "
-                             f"distinct within a sequence)")
-        if 4 * pairs >= seq_len:
-            raise ValueError(f"--seq-len={seq_len} is too short for --pairs={pairs}")
-        self.seq_len, self.pairs = seq_len, pairs
-        self.keys, self.values, self.filler = keys, values, filler
-        self.key0, self.val0 = 1, 1 + keys
-        self.fill0 = self.val0 + values
-        self.fact0 = self.fill0 + filler
-        self.vocab = self.fact0 + keys * values
-
-    def batch(self, rng: np.random.Generator, batch: int):
-        """``tokens`` ``[B, S]`` and ``loss_mask`` ``[B, S]`` (True on the answers)."""
-        S, n = self.seq_len, self.pairs
-        toks = rng.integers(self.fill0, self.fill0 + self.filler, size=(batch, S))
-        mask = np.zeros((batch, S), bool)
-        for b in range(batch):
-            keys = rng.choice(self.keys, size=n, replace=False)
-            vals = rng.integers(0, self.values, size=n)
-            facts = rng.choice(S // 2, size=n, replace=False)  # in the first half
-            toks[b, facts] = self.fact0 + keys * self.values + vals
-            order = rng.permutation(n)
-            q = S - 2 * n + 2 * np.arange(n)
-            toks[b, q], toks[b, q + 1] = self.key0 + keys[order], self.val0 + vals[order]
-            mask[b, q + 1] = True
-        return toks.astype(np.int32), mask
 
 
 def main():
@@ -221,6 +193,11 @@ def main():
                    "jax": jax.__version__, "log": log, "eval_loss": ev_loss,
                    "eval_accuracy": ev_acc, "wall_s": wall}, f, indent=1)
     plot(log, 1 / a.values, os.path.join(a.out, "loss.png"), a, G)
+    if a.export:
+        from jax_seqpar.models.hf import save_pretrained
+        save_pretrained(cfg, state.params, a.export)
+        task.save(a.export)
+        say(f"exported to {a.export} (transformers format + recall_task.json)")
 
 
 def plot(log, chance, path, a, G):

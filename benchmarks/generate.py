@@ -1,0 +1,241 @@
+"""Generation speed: ring-attention prefill and tree-attention decoding (``models.generate``).
+
+For each configuration ``SIZE:PROMPT:BATCH`` (``train_mfu.SIZES`` shapes, bf16 weights
+and activations, random weights and prompts; the KV cache sharded over ``--devices``):
+
+* **prefill**: one call of the compiled prefill (``Generator.prefill``; compile timed
+  apart), tokens/s and MFU.  FLOPs, forward only: ``2 * N_matmul`` per token plus the
+  causal attention ``2 * L * P * Hq * Dh`` per token (half of ``4 * P * Hq * Dh``), against
+  989 TFLOP/s per GPU (H200 dense bf16 spec);
+* **decode**: ``--new-tokens`` greedy steps of the compiled decode loop (one
+  ``lax.while_loop``), ms per token (the median of ``--repeats`` runs, each reusing the
+  cache the previous returned), against the **memory-bandwidth floor**: the bytes a step
+  must read -- every weight once plus each row's visible K/V cache (``2 * L * Hkv * Dh``
+  values per token of context, the context growing by one per step) -- over the HBM read
+  rate measured in the same run (a large ``sum``), per device;
+* **dense baseline** (one device): the same model and loop, but what a user would write
+  without this library: a contiguous ``[B, cache_len, Hkv, D]`` cache updated with
+  ``dynamic_update_slice`` and ``jax.nn.dot_product_attention`` over it with a length
+  mask.
+
+    python benchmarks/generate.py --dry-run                      # CPU, tiny, 2 devices
+    python benchmarks/generate.py --configs 7b:131072:1,7b:32768:8,1b:131072:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import _setup  # noqa: F401
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
+from jax_seqpar.models.generate import LlamaParts, generator_for  # noqa: E402
+from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
+from train_mfu import H200_BF16_DENSE, SIZES, flops_per_token  # noqa: E402
+
+
+def hbm_read_rate(gib=4):
+    """Bytes/s of a large read (``sum`` of a bf16 array), the decode floor's rate."""
+    n = gib * (1 << 30) // 2
+    x = jnp.ones((n // 8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    del x
+    return 2 * n / statistics.median(ts)
+
+
+def dense_decoder(cfg: LlamaConfig, B: int, C: int, N: int):
+    """The baseline: ``(params, first_tok, lengths, k, v) -> tokens`` on one device, with
+    ``jax.nn.dot_product_attention`` over a contiguous cache."""
+    parts = LlamaParts(cfg)
+
+    def step(p, tok, pos, ks, vs):
+        x = parts.embed(p, tok[:, None])
+        ks, vs = list(ks), list(vs)
+        for layer in range(cfg.num_layers):
+            def attend(q, k, v, layer=layer):
+                upd = jax.vmap(lambda c, new, at: lax.dynamic_update_slice_in_dim(
+                    c, new, at, axis=0))
+                ks[layer] = upd(ks[layer], k, pos)
+                vs[layer] = upd(vs[layer], v, pos)
+                mask = (jnp.arange(C)[None, :] <= pos[:, None])[:, None, None, :]
+                return jax.nn.dot_product_attention(q, ks[layer], vs[layer], mask=mask)
+            x = parts.block(p[f"layer_{layer}"], x, pos[:, None], attend)
+        return parts.logits(p, x)[:, 0], tuple(ks), tuple(vs)
+
+    def run(params, first, lengths, ks, vs):
+        p = params["params"]
+        out = jnp.zeros((B, N), jnp.int32).at[:, 0].set(first)
+
+        def body(i, s):
+            tok, out, ks, vs = s
+            logits, ks, vs = step(p, tok, lengths + i - 1, ks, vs)
+            new = jnp.argmax(logits, -1).astype(jnp.int32)
+            return new, out.at[:, i].set(new), ks, vs
+        _, out, ks, vs = lax.fori_loop(1, N, body, (first, out, ks, vs))
+        return out, ks, vs
+    return jax.jit(run, donate_argnums=(3, 4))
+
+
+def median_time(fn, repeats):
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+def run_config(size, P_, B, a, mesh, rate):
+    G = mesh.shape["sp"]
+    dtype = "float32" if a.dry_run else "bfloat16"
+    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype=dtype)
+    model = Llama(cfg)
+    N = a.new_tokens
+    rep = NamedSharding(mesh, P())
+    params = jax.jit(model.init, out_shardings=rep)(jax.random.key(0),
+                                                     jnp.zeros((1, 8), jnp.int32))
+    prompts = jax.random.randint(jax.random.key(1), (B, P_), 0, cfg.vocab_size, jnp.int32)
+    lengths = jnp.full((B,), P_, jnp.int32)
+    gen = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk)
+    row = dict(size=size, prompt=P_, batch=B, devices=G, new_tokens=N,
+               cache_len=gen.plan.cache_len, prefill_chunk=gen.plan.chunk,
+               prefill_passes=gen.plan.num_chunks)
+    # ---- prefill
+    t0 = time.perf_counter()
+    prefill = gen.prefill.lower(params, prompts, lengths).compile()
+    row["prefill_compile_s"] = time.perf_counter() - t0
+    logits, cache = jax.block_until_ready(prefill(params, prompts, lengths))
+    t0 = time.perf_counter()
+    logits, cache = jax.block_until_ready(prefill(params, prompts, lengths))
+    t_pre = time.perf_counter() - t0
+    fl = flops_per_token(cfg, P_, causal=True)
+    pre_flops = B * P_ * (2 * fl["n_matmul"] + fl["attention"] / 3)  # forward: 1/3
+    row.update(prefill_s=t_pre, prefill_tokens_per_s=B * P_ / t_pre,
+               prefill_mfu=pre_flops / t_pre / (G * H200_BF16_DENSE))
+    # ---- decode (the cache is donated and returned: reuse it)
+    rng = jax.random.key(2)
+    t0 = time.perf_counter()
+    decode = gen.decode(None).lower(params, logits, lengths, cache, rng).compile()
+    row["decode_compile_s"] = time.perf_counter() - t0
+    state = {"cache": cache}
+
+    def one():
+        out, state["cache"] = decode(params, logits, lengths, state["cache"], rng)
+        jax.block_until_ready(out)
+        return out
+    out = one()
+    t_dec, ts = median_time(one, a.repeats)
+    steps = N - 1
+    ms = 1e3 * t_dec / steps
+    c = cfg
+    w_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    kv_per_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+    ctx = P_ + (N - 2) / 2                       # mean context over the decode steps
+    step_bytes = w_bytes + B * ctx * kv_per_tok / G   # per device
+    floor_ms = 1e3 * step_bytes / rate
+    row.update(decode_ms_per_token=ms, decode_runs_s=ts, weight_bytes=w_bytes,
+               kv_cache_bytes_per_device=B * gen.plan.cache_len * kv_per_tok // G,
+               floor_ms_per_token=floor_ms, fraction_of_floor=floor_ms / ms,
+               peak_bytes=peak_memory_bytes(mesh.devices.flat[0]))
+    del state
+    # ---- dense baseline on one device
+    if G == 1 and not a.no_baseline:
+        C = gen.plan.cache_len
+        k = tuple(jax.random.normal(jax.random.key(10 + i), (B, C, c.num_kv_heads,
+                                                             c.head_dim), dtype)
+                  for i in range(c.num_layers))
+        v = tuple(x * 0.5 for x in k)
+        base = dense_decoder(cfg, B, C, N)
+        first = jnp.argmax(logits, -1).astype(jnp.int32)
+        t0 = time.perf_counter()
+        base_c = base.lower(params, first, lengths, k, v).compile()
+        row["dense_compile_s"] = time.perf_counter() - t0
+        st = {"k": k, "v": v}
+
+        def two():
+            o, st["k"], st["v"] = base_c(params, first, lengths, st["k"], st["v"])
+            jax.block_until_ready(o)
+        two()
+        t_b, _ = median_time(two, a.repeats)
+        row.update(dense_ms_per_token=1e3 * t_b / steps,
+                   speedup_vs_dense=(1e3 * t_b / steps) / ms)
+        del st, k, v
+    return row, out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="7b:131072:1,7b:32768:8,1b:131072:1,1b:131072:8,"
+                   "1b:32768:1,7b:32768:1",
+                   help="comma-separated SIZE:PROMPT:BATCH, run in this order")
+    p.add_argument("--devices", type=int, default=None, help="default: all")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-chunk", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=1e9,
+                   help="start no new configuration after this many seconds")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: the tiny shape, short prompts, 2 devices, float32")
+    p.add_argument("--name", default=None)
+    a = p.parse_args(argv)
+    if a.dry_run:
+        a.configs, a.new_tokens, a.repeats = "tiny:256:1,tiny:128:4", 6, 1
+        a.devices = a.devices or 2
+    G = a.devices or jax.device_count()
+    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                         axis_types=(AxisType.Auto,))
+    t_start = time.perf_counter()
+    rate = hbm_read_rate(1 if a.dry_run else 4)
+    print(f"{G} x {jax.devices()[0].device_kind}, JAX {jax.__version__}; HBM read rate "
+          f"{rate / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    name = a.name or f"generate_{jax.default_backend()}{G}"
+    for spec in a.configs.split(","):
+        if time.perf_counter() - t_start > a.budget_s:
+            print(f"budget spent: skipping {spec}")
+            continue
+        size, P_, B = spec.split(":")
+        try:
+            row, _ = run_config(size, int(P_), int(B), a, mesh, rate)
+        except Exception as e:  # noqa: BLE001  (out of memory at one size: report, go on)
+            row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
+                       error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+               if k != "decode_runs_s"}, flush=True)
+        save_json(dict(env=env_info(), hbm_read_rate=rate, rows=rows),
+                  os.path.join(out_dir(), f"{name}.json"))
+        jax.clear_caches()
+    print(f"\n{'config':>16} {'prefill tok/s':>13} {'MFU':>6} {'decode ms/tok':>13} "
+          f"{'floor ms':>9} {'of floor':>8} {'dense ms':>9} {'x dense':>7}")
+    for r in rows:
+        tag = f"{r['size']}:{r['prompt']}:{r['batch']}"
+        if "error" in r:
+            print(f"{tag:>16} {r['error'][:90]}")
+            continue
+        print(f"{tag:>16} {r['prefill_tokens_per_s']:13.0f} {r['prefill_mfu']:6.3f} "
+              f"{r['decode_ms_per_token']:13.3f} {r['floor_ms_per_token']:9.3f} "
+              f"{r['fraction_of_floor']:8.3f} {r.get('dense_ms_per_token', math.nan):9.3f} "
+              f"{r.get('speedup_vs_dense', math.nan):7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
