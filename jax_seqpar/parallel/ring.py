@@ -11,6 +11,19 @@ device) pair is computed by ``pairs.py``: tiles whose position bounds prove them
 masked skip their compute (their transfers still happen), and for causal contiguous and
 zigzag layouts one ``cond`` per pair picks the visible part, computed without a mask.
 
+**Packed documents** (segment ids, issue 27): a pair whose segment id ranges prove that
+it shares no document does no compute, in the forward and in both backwards
+(``pairs.shares_document``, folded into each pair's ``cond``); its transfer still
+happens.  The transfers cannot be skipped from the ids: the hops are a static schedule
+(a ``ppermute`` is a collective that every device of the axis joins, and which hops a
+device needs depends on every other device's ids, which are traced values), so the
+schedule knows only positions.  Where documents are known to be at most ``L`` tokens
+long, ``window=(L - 1, 0)`` with ``causal=True`` states it: it masks nothing more (a key
+of the query's own document is at most ``L - 1`` positions back), and the schedule then
+stops the blocks after the ``ceil((L - 1) / T)`` hops that reach it under the
+contiguous layout (``schedule.ring_schedule``) -- no compute *and* no transfer for the
+rest.  ``choose.choose_layout`` picks the layout from the document lengths.
+
 Backward (``custom_vjp``), along the same chains:
 
 * ``backward="kv"`` (Ring Attention): K, V travel as in the forward; each chain carries a

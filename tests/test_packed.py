@@ -1,0 +1,135 @@
+"""Issue 27: packed documents.  The ring skips the (query shard, key shard) pairs that share
+no document, the answer stays exact, and ``layout="auto"`` picks a layout from the
+document lengths.
+
+The skipped pairs are counted from an instrumented run: a kernel object that wraps the
+xla kernel and bumps a host counter (``jax.debug.callback``) whenever a call of its runs,
+which inside a ``lax.cond`` branch happens only when the branch is taken.  Call shapes
+tell the pairs apart: a contiguous pair of two devices is one ``T x T`` call, a zigzag
+pair ``T x T/2`` (keys from a lower device) or ``T/2 x T`` (from a higher one), and a
+device's own block ``T/2 x T/2`` calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_seqpar as jsp
+from jax_seqpar.kernels import XlaKernel
+from jax_seqpar.layouts import permutation
+
+G, S, B = 8, 128, 2
+T = S // G
+CALLS = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingKernel(XlaKernel):
+    """The xla kernel, counting its calls per ``(fwd|bwd, Tq, Tk)`` when they run."""
+
+    name: str = "counting"
+
+    def _count(self, what, q, k):
+        key = (what, q.shape[1], k.shape[1])
+        jax.debug.callback(lambda: CALLS.update([key]))
+
+    def fwd(self, q, k, v, q_pos, kv_pos, mask, scale, q_seg=None, kv_seg=None):
+        self._count("fwd", q, k)
+        return super().fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg)
+
+    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg=None, kv_seg=None,
+            delta=None):
+        self._count("bwd", q, k)
+        return super().bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
+                           delta=delta)
+
+
+def _docs(kind, seed):
+    """Natural-order segment ids ``[B, S]``: ``short`` documents of 1-6 tokens (some cross
+    a shard border), one 40-token document spanning three shards among them, or a
+    ``single`` document spanning every shard."""
+    if kind == "single":
+        return np.zeros((B, S), np.int32)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in range(B):
+        lens = []
+        while sum(lens) < S:
+            lens.append(40 if len(lens) == 3 + b else int(rng.integers(1, 7)))
+        rows.append(np.repeat(np.arange(len(lens)), lens)[:S])
+    return np.stack(rows).astype(np.int32)
+
+
+def _expected(layout, seg):
+    """Kernel calls by shape that the ring must make: a pair of devices runs only where the
+    causal mask lets it and the parts' id ranges overlap in some batch row."""
+    shards = seg[:, permutation(layout, S, G)].reshape(B, G, T)
+
+    def shares(qi, qs, kj, ks):
+        a, b = shards[:, qi, qs], shards[:, kj, ks]
+        return bool(np.any((a.min(1) <= b.max(1)) & (b.min(1) <= a.max(1))))
+
+    h, lo, hi, al = T // 2, slice(0, T // 2), slice(T // 2, T), slice(None)
+    want = collections.Counter()
+    for i in range(G):
+        if layout == "zigzag":  # own block: a x a and b x b always, b x a if shared
+            want[(h, h)] += 2 + shares(i, hi, i, lo)
+        else:
+            want[(h, h)] += 3
+        for j in range(G):
+            if j == i:
+                continue
+            if layout == "contiguous":
+                want[(T, T)] += j < i and shares(i, al, j, al)
+            elif j < i:  # both query chunks, the first key chunk: tested chunk by chunk
+                want[(T, h)] += shares(i, lo, j, lo) or shares(i, hi, j, lo)
+            else:
+                want[(h, T)] += shares(i, hi, j, lo) or shares(i, hi, j, hi)
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(layout, backward):
+    mesh = helpers.make_mesh(G)
+
+    def f(q, k, v, do, seg):
+        out, vjp = jax.vjp(lambda q, k, v: jsp.attention(
+            q, k, v, mesh=mesh, causal=True, layout=layout, backward=backward,
+            segment_ids=seg, kernel=CountingKernel(block_q=8, block_k=8)), q, k, v)
+        return out, vjp(do)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("layout,backward", [("contiguous", "kv"), ("zigzag", "q")])
+def test_ring_skips_pairs_that_share_no_document(layout, backward):
+    q, k, v = helpers.make_qkv(27, B=B, S=S, Hq=4, Hkv=2, D=16)
+    do = helpers.make_cotangent(27, q.shape)
+    fn = _fn(layout, backward)
+    n_pairs = {}
+    for kind in ("short", "single"):
+        seg = _docs(kind, 27)
+        CALLS.clear()
+        out, grads = jax.block_until_ready(fn(q, k, v, do, jnp.asarray(seg)))
+        jax.effects_barrier()
+        want = _expected(layout, seg)
+        for phase in ("fwd", "bwd"):
+            got = collections.Counter({(tq, tk): n for (p, tq, tk), n in CALLS.items()
+                                       if p == phase})
+            assert got == +want, f"{kind} {phase}: ran {dict(got)}, expected {dict(want)}"
+        n_pairs[kind] = sum(n for s, n in want.items() if s != (T // 2, T // 2))
+        ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, jnp.asarray(seg),
+                                                          causal=True)
+        helpers.assert_close(out, ref_out, 1e-5, f"{kind} out")
+        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            helpers.assert_close(g, r, 1e-5, f"{kind} {name}")
+    # one document over every shard: every causal pair runs; short ones: most are skipped
+    assert n_pairs["single"] == (G * (G - 1) // 2 if layout == "contiguous" else G * (G - 1))
+    assert n_pairs["short"] < n_pairs["single"] // 2, n_pairs
