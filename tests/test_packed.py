@@ -23,8 +23,12 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
+from jax_seqpar.api import auto_layout
 from jax_seqpar.kernels import XlaKernel
 from jax_seqpar.layouts import permutation
+from jax_seqpar.masks import MaskSpec
+from jax_seqpar.parallel.choose import choose_layout, segments_from_lengths
+from jax_seqpar.parallel.schedule import ring_schedule
 
 G, S, B = 8, 128, 2
 T = S // G
@@ -133,3 +137,63 @@ def test_ring_skips_pairs_that_share_no_document(layout, backward):
     # one document over every shard: every causal pair runs; short ones: most are skipped
     assert n_pairs["single"] == (G * (G - 1) // 2 if layout == "contiguous" else G * (G - 1))
     assert n_pairs["short"] < n_pairs["single"] // 2, n_pairs
+
+
+# --------------------------------------------------------------------------- layout
+def _lognormal_docs(mean, S, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = (rng.lognormal(np.log(mean), 0.8, size=4 * S // mean + 8)).astype(int) + 1
+    return lens[np.cumsum(lens) < S]
+
+
+def test_choose_layout_from_document_lengths():
+    """Documents of equal length, much shorter than a shard: contiguous (balanced, and it
+    computes on the fewest device pairs); one document per row: zigzag (the causal
+    triangle); heavy-tailed lengths: striped, which spreads each long document over every
+    device (a contiguous or zigzag shard holding one is the busiest)."""
+    S, G = 1 << 18, 8
+    short = choose_layout(num_devices=G, seq_len=S, doc_lengths=[1000] * (S // 1000))
+    assert short.layout == "contiguous", short.reason
+    assert short.pairs["contiguous"] < short.pairs["zigzag"] < short.pairs["striped"] == 56
+    assert "layout='contiguous'" in short.reason and "263 documents" in short.reason
+    one = choose_layout(num_devices=G, seq_len=S)
+    assert one.layout == "zigzag" and "one document per row" in one.reason
+    assert one.costs["contiguous"] > 1.8 * one.costs["zigzag"]  # the triangle's imbalance
+    tail = choose_layout(num_devices=G, seq_len=S, doc_lengths=_lognormal_docs(16384, S))
+    assert tail.layout == "striped", tail.reason
+    assert choose_layout(num_devices=G, seq_len=S, causal=False).layout == "contiguous"
+    lens = [3, 5, 8]  # lengths and ids agree; the rest of the row is one more document
+    np.testing.assert_array_equal(segments_from_lengths(lens, 20)[0],
+                                  np.repeat(np.arange(4), [3, 5, 8, 4]))
+    a = choose_layout(segments_from_lengths(lens, 64), num_devices=4)
+    b = choose_layout(num_devices=4, seq_len=64, doc_lengths=lens)
+    assert a.costs == b.costs and a.layout == b.layout
+    with pytest.raises(ValueError, match="sum to"):
+        segments_from_lengths([30, 40], 64)
+
+
+def test_attention_layout_auto():
+    """``layout="auto"`` resolves from concrete ids (and refuses what it cannot model);
+    the answer is the reference's."""
+    seg = np.repeat(np.arange(16), 4)[None].repeat(2, 0).astype(np.int32)  # 4-token docs
+    assert auto_layout(seg, S=64, G=4, causal=True).layout == "contiguous"
+    assert auto_layout(None, S=64, G=4, causal=True).layout == "zigzag"
+    with pytest.raises(ValueError, match="permuted"):
+        auto_layout(seg, S=64, G=4, causal=True, permuted=True)
+    with pytest.raises(ValueError, match="block_mask"):
+        auto_layout(seg, S=64, G=4, causal=True, block_mask=np.eye(4, dtype=bool))
+    q, k, v = helpers.make_qkv(5, B=2, S=64, Hq=2, Hkv=2, D=16)
+    out = jsp.attention(q, k, v, mesh=helpers.make_mesh(4), causal=True, layout="auto",
+                        segment_ids=jnp.asarray(seg), kernel="xla")
+    ref, _, _ = helpers.reference_fwd_bwd(q, k, v, q, jnp.asarray(seg), causal=True)
+    helpers.assert_close(out, ref, 1e-5, "out")
+
+
+def test_a_window_of_the_longest_document_cuts_the_hops():
+    """``ring.py``: documents of at most L tokens make ``window=(L - 1, 0)`` (causal) a
+    no-op on the answer, and the contiguous schedule then stops after
+    ``ceil((L - 1) / T)`` hops instead of ``G - 1``."""
+    T, L = 1024, 1500
+    for G in (4, 8):
+        sched = ring_schedule("contiguous", MaskSpec(causal=True, window=(L - 1, 0)), T, G)
+        assert (sched.forward, sched.backward) == (-(-(L - 1) // T), 0)
