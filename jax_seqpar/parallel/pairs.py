@@ -26,10 +26,11 @@ skips its compute when its id ranges prove that it shares no document
 the key side's are disjoint; zigzag shards are tested as their two chunks).  The test
 folds into the ``cond`` the pair has anyway (contiguous: ``kv_dev < q_dev``; zigzag: a
 three-way ``switch`` of nothing / earlier / later; general: the position bounds), so it
-adds no ``cond`` there; under zigzag a device's own block adds one, around its ``b x a``
-part (chunks ``2G-1-i`` and ``i``, far apart).  It is exact for any ids: a pair is
-skipped only when no query can see any key.  Within a pair the kernels skip the tiles
-that share no document in the same way (``kernels/pallas_common.tile_lists``).
+adds no ``cond``.  It is exact for any ids: a pair is skipped only when no query can see
+any key.  Within a pair the kernels skip the tiles that share no document in the same
+way (``kernels/pallas_common.tile_lists``), so with segment ids a device's own block is
+one kernel call (aligned under contiguous, general under zigzag) rather than its three
+causal halves (``_whole_own``).
 
 Every kernel call states its tile kind (``kernels/base.py``): mask-free calls are dense,
 the causal halves ``a x a`` and ``b x b`` of the same device are aligned (same
@@ -89,6 +90,16 @@ def _zigzag_share(cfg, q_seg, qs, kv_seg, ks):
     return shares_document(_seg(q_seg, qs), _seg(kv_seg, ks))
 
 
+def _whole_own(q_seg, half) -> bool:
+    """Whether a device's own block runs as one kernel call rather than as its causal
+    halves: with segment ids (not under selective checkpointing's halves).  The halves
+    exist to hand backends that read no positions (cuDNN) aligned and mask-free tiles;
+    segment ids need a backend that reads ids and positions (cuDNN and flash-attn refuse
+    them), whose tile lists skip the masked quarter and the tiles between documents
+    themselves, so one call saves the halves' merges, sums and copies."""
+    return q_seg is not None and half is None
+
+
 def _general_aligned(cfg, same: bool) -> bool:
     """Whether a whole same-device block has consecutive positions (contiguous layout)."""
     return same and cfg.layout == "contiguous"
@@ -125,11 +136,13 @@ def _when(pred, compute, nothing):
     return compute() if pred is None else lax.cond(pred, compute, nothing)
 
 
-def _general(cfg, q_pos, kv_pos, nothing, compute, share=None):
+def _general(cfg, q_pos, kv_pos, nothing, compute, share=None, same=False):
     """``compute()`` unless the pair's position bounds prove it masked or its segment id
-    ranges prove that it shares no document (``share`` False; then ``nothing()``)."""
+    ranges prove that it shares no document (``share`` False; then ``nothing()``).  A
+    device's own block needs no test (``same``): each of its queries sees at least itself
+    under every causal or window mask."""
     pred = None
-    if not cfg.mask.is_dense:
+    if not cfg.mask.is_dense and not (same and cfg.mask.block_mask is None):
         pred = cfg.mask.tile_may_be_visible(q_pos.min(), q_pos.max(), kv_pos.min(),
                                             kv_pos.max())
     return _when(_and(pred, share), compute, nothing)
@@ -165,11 +178,11 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
                                 tile=_tile(mask, aligned))
         return o.astype(F32), lse  # backends may return o in the input dtype
 
-    if not _structured(cfg) or (same and k.shape[1] % 2):
+    if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(q_seg, half))):
         aligned = _general_aligned(cfg, same) and half is None
         return _general(cfg, q_pos, kv_pos, empty,
                         lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, aligned),
-                        None if same else _pair_share(cfg, q_seg, kv_seg))
+                        None if same else _pair_share(cfg, q_seg, kv_seg), same)
     if half is not None:
         return _half_fwd(cfg, call, empty, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev,
                          kv_dev, same=same, half=half)
@@ -181,10 +194,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
             return call(q[:, qs], k[:, ks], v[:, ks], q_pos[qs], kv_pos[ks], _seg(q_seg, qs),
                         _seg(kv_seg, ks), mask, aligned=qs == ks)
         o1, lse1 = part(first, first, cfg.mask)
-        # zigzag: the two chunks lie far apart, so short documents rarely span them
-        cross = _when(_zigzag_share(cfg, q_seg, second, kv_seg, first),
-                      lambda: part(second, first, _DENSE), lambda: empty(h))
-        o2, lse2 = merge(*cross, *part(second, second, cfg.mask))
+        o2, lse2 = merge(*part(second, first, _DENSE), *part(second, second, cfg.mask))
         return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=-1)
 
     if cfg.layout == "contiguous":
@@ -260,10 +270,11 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
         return None if o is None else o[:, sl]
 
     T = q.shape[1]
-    if not _structured(cfg) or (same and T % 2):
+    if not _structured(cfg) or (same and (T % 2 or _whole_own(q_seg, None))):
         return _general(cfg, q_pos, kv_pos, zeros, lambda: call(
             q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, o,
-            _general_aligned(cfg, same)), None if same else _pair_share(cfg, q_seg, kv_seg))
+            _general_aligned(cfg, same)), None if same else _pair_share(cfg, q_seg, kv_seg),
+            same)
 
     h = T // 2
     first, second = slice(0, h), slice(h, T)
@@ -273,13 +284,7 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
                         q_pos[qs], kv_pos[ks], _seg(q_seg, qs), _seg(kv_seg, ks), mask,
                         rows(qs), aligned=qs == ks)
         dq1, dk1, dv1 = part(first, first, cfg.mask)
-
-        def no_cross():
-            z = jnp.zeros((q.shape[0], h) + q.shape[2:], F32)
-            return vary_like((z, jnp.zeros((k.shape[0], h) + k.shape[2:], F32),
-                              jnp.zeros((v.shape[0], h) + v.shape[2:], F32)), q, k, v, do, lse)
-        dq2, dk1b, dv1b = _when(_zigzag_share(cfg, q_seg, second, kv_seg, first),
-                                lambda: part(second, first, _DENSE), no_cross)
+        dq2, dk1b, dv1b = part(second, first, _DENSE)
         dq2b, dk2, dv2 = part(second, second, cfg.mask)
         cat = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
         return cat(dq1, dq2 + dq2b), cat(dk1 + dk1b, dk2), cat(dv1 + dv1b, dv2)

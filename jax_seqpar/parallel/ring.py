@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
@@ -132,18 +131,15 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
     if half is not None:
         rows = slice(0, T // 2) if half == 0 else slice(T // 2, T)
         q, q_pos, q_seg = q[:, rows], q_pos[rows], None if seg is None else seg[:, rows]
-    n_rows = q.shape[1]
-    o = jnp.zeros((B, n_rows, Hq, D), F32)
-    lse = jnp.full((B, Hq, n_rows), -jnp.inf, F32)
-    o, lse = vary_like((o, lse), q, k, v)
-
     def visit(o, lse, block, src, same=False):
         kc, vc, sc = block
         o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), q_seg, sc,
                               idx, src, same=same, half=half)
-        return merge(o, lse, o_s, lse_s)
+        return (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
 
-    o, lse = visit(o, lse, (k, v, seg), idx, same=True)
+    # the own block starts the running (o, lse): a merge with the empty (0, -inf) would
+    # give it back bit for bit, at the cost of a pass over o
+    o, lse = visit(None, None, (k, v, seg), idx, same=True)
     for direction, n in _schedule(cfg, T, G).chains():
         def hop_visit(block, hop, home, direction=direction):
             return None, visit(*home, block, (idx - direction * hop) % G)
