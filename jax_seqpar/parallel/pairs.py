@@ -13,9 +13,9 @@ Eq. 12):
   the first key chunk only; if ``j > i`` only the second query chunk sees, and it sees
   both key chunks.  Half the work either way, with static shapes.
 
-* the same device (both layouts): the halves ``a`` (earlier positions) and ``b`` of the
-  block give a causal ``a x a``, a mask-free ``b x a`` and a causal ``b x b``; ``a x b``
-  is masked and never visited.
+* the same device (both layouts, without segment ids): the halves ``a`` (earlier
+  positions) and ``b`` of the block give a causal ``a x a``, a mask-free ``b x a`` and a
+  causal ``b x b``; ``a x b`` is masked and never visited.
 
 This matters wherever a per-tile ``cond`` is expensive (on GPUs each one waits for its
 predicate): the mask-free calls have none.  Segment ids are still applied.
