@@ -19,6 +19,7 @@ from jax_seqpar import _compat
 from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
+from jax_seqpar.parallel.choose import LayoutChoice, choose_layout
 from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.double_ring import (double_ring_attention_with_config,
                                              double_ring_axes)
@@ -85,7 +86,7 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=} "
                          f"(GQA/MQA)")
-    if layout != "striped":  # striped is checked once its stripe is known
+    if layout not in ("striped", "auto"):  # striped: once its stripe is known; auto: chosen
         check_divisible(layout, S, _num_shards(mesh, axis_name))
     if segment_ids is not None:
         if getattr(segment_ids, "shape", None) != (B, S):
@@ -132,14 +133,22 @@ def attention(
         length and per-axis bandwidths, with the reason.
       causal, window: ``window`` as ``jax.nn.dot_product_attention``'s
         ``local_window_size``: ``(left, right)`` lets query i see keys i-left..i+right.
-      segment_ids: ``[B, S]`` ints; a query sees only keys with the same id.
+      segment_ids: ``[B, S]`` ints; a query sees only keys with the same id (packed
+        documents).  The kernels and the ring skip the tiles and device pairs whose id
+        ranges share no document (exact for any ids; fastest for packed documents, whose
+        ids do not decrease along the sequence).
       block_mask: block-sparse attention (BurstEngine §3.4): a static boolean array
         ``[S/b, S/b]`` (NumPy, or a concrete JAX array); query block ``i`` sees key block
         ``j`` iff ``block_mask[i, j]``.  With ``layout="striped"`` the tokens are dealt in
         runs of ``b / G`` so every device holds an equal share of every block (``b`` must
         then be a multiple of ``G``).
       layout: how tokens are dealt to devices: ``"contiguous"``, ``"zigzag"`` or
-        ``"striped"`` (the last two balance causal work; see ``jax_seqpar.layouts``).
+        ``"striped"`` (the last two balance causal work; see ``jax_seqpar.layouts``), or
+        ``"auto"``: the one ``parallel.choose.choose_layout`` models fastest from the
+        document lengths of concrete ``segment_ids`` (short packed documents: contiguous;
+        one long document: zigzag; documents about a shard long: striped); traced ids
+        count as one document per row.  ``api.auto_layout`` returns the choice with
+        its reason.
       permuted: False (default): arrays are in natural token order, permuted into the
         layout on the way in and back on the way out.  True: they already are in layout
         order (``layouts.permute_sequence``) and the output stays so -- the efficient path
@@ -169,6 +178,9 @@ def attention(
         check_heads(q.shape[2], k.shape[2], G, axis_name, strategy)
     elif strategy == "double_ring":
         double_ring_axes(axis_name)
+    if layout == "auto":
+        layout = auto_layout(segment_ids, S=q.shape[1], G=G, causal=causal, window=window,
+                             block_mask=block_mask, permuted=permuted).layout
     bm = _block_mask(block_mask, q.shape[1])
     stripe = 1
     if bm is not None and layout == "striped":
@@ -189,6 +201,25 @@ def attention(
     except TypeError:  # e.g. a user kernel object that is not hashable: no caching
         return _program.__wrapped__(*key)(*args)
     return _program(*key)(*args)
+
+
+def auto_layout(segment_ids, *, S: int, G: int, causal: bool, window=None, block_mask=None,
+                permuted: bool = False) -> LayoutChoice:
+    """What ``layout="auto"`` picks (``choose.choose_layout``), with the reason: from the
+    segment ids when they are concrete (NumPy, or a JAX array outside ``jit``), else as
+    one document per row (under ``jit`` the ids are traced: call ``choose_layout`` with
+    the document lengths outside and pass its layout)."""
+    if permuted:
+        raise ValueError("layout='auto' chooses the layout, so the arrays cannot already be "
+                         "in its order (permuted=True): call jax_seqpar.parallel.choose."
+                         "choose_layout(...) and permute with its .layout")
+    if block_mask is not None:
+        raise ValueError("layout='auto' does not model block masks (block_mask); name the "
+                         "layout ('striped' balances them: BurstEngine §3.4)")
+    if segment_ids is not None and not isinstance(segment_ids, jax.core.Tracer):
+        return choose_layout(np.asarray(segment_ids), num_devices=G, causal=causal,
+                             window=window)
+    return choose_layout(num_devices=G, seq_len=S, causal=causal, window=window)
 
 
 @functools.lru_cache(maxsize=256)

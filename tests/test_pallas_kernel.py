@@ -16,7 +16,8 @@ import pytest
 
 import jax_seqpar as jsp
 from helpers import (BF16, F32, assert_close, assert_lse_close, make_cotangent, make_mesh,
-                     make_qkv, reference_fwd_bwd, sorted_segments, to_np32, tol)
+                     make_qkv, reference_fwd_bwd, sorted_segments, to_np32, tol,
+                     unsorted_segments)
 from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel, get_kernel
 from jax_seqpar.kernels.base import KernelRequest
 from jax_seqpar.kernels.pallas_gpu import (DEFAULT_CONFIGS, default_config,
@@ -71,7 +72,21 @@ CASES = {
     "window_segments_f32": (48, 48, 4, 2, "contiguous", False, (9, 4), True, F32),
     "causal_window_segments_bf16": (40, 40, 2, 1, "contiguous", True, (12, 0), True, BF16),
     "masked_rows_f32": (32, 32, 2, 2, "masked_rows", True, None, False, F32),
+    # issue 27: many short documents (tiles skipped and run mask-free by segment ranges),
+    # on a zigzag shard pair and with interleaved (unsorted) ids
+    "zigzag_short_docs_bf16": (64, 64, 2, 1, "zigzag", True, None, "short", BF16),
+    "unsorted_segments_f32": (40, 48, 2, 2, "contiguous", True, None, "unsorted", F32),
 }
+
+
+def _segments(kind, seed, B, T):
+    if not kind:
+        return None
+    if kind == "short":
+        return sorted_segments(seed, B, T, num_docs=T // 6)
+    if kind == "unsorted":
+        return unsorted_segments(seed, B, T, num_ids=3)
+    return sorted_segments(seed, B, T, num_docs=3)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -81,8 +96,7 @@ def test_fwd_bwd_against_reference(case):
     q, k, v = make_qkv(3, B=B, S=Tq, Sk=Tk, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
     do = make_cotangent(3, q.shape, dtype)
     qp, kp = (jnp.asarray(x, jnp.int32) for x in positions(pos, Tq, Tk))
-    qs = sorted_segments(4, B, Tq, num_docs=3) if seg else None
-    ks = sorted_segments(5, B, Tk, num_docs=3) if seg else None
+    qs, ks = _segments(seg, 4, B, Tq), _segments(seg, 5, B, Tk)
     o, lse, grads = fns(causal, window)(q, k, v, do, qp, kp, qs, ks)
     ro, rlse, rgrads = reference_fwd_bwd(q, k, v, do, qs, ks, qp, kp, causal=causal,
                                          window=window, scale=D ** -0.5)
@@ -187,6 +201,71 @@ def test_tile_lists_match_brute_force(kind, mask):
         assert set(blocks[:n_full].tolist()) <= set(np.flatnonzero(all_vis)), \
             "a tile marked fully visible has a masked pair"
         assert len(listed) == count, "a tile is listed twice"
+
+
+def _padded_blocks(x, b):
+    L = -(-len(x) // b) * b
+    return np.concatenate([x, np.full(L - len(x), x[-1])]).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "ring_step"])
+@pytest.mark.parametrize("segs", ["sorted", "short", "unsorted", "single"])
+def test_tile_lists_with_segments_match_brute_force(kind, segs):
+    """Issue 27: with segment ids the lists drop only tiles whose pairs are all masked
+    (by positions or by segments: the blocks' id ranges are disjoint) and mark fully
+    visible only tiles whose every pair is visible, for sorted, short and interleaved
+    ids; with sorted ids they skip tiles that positions alone would keep."""
+    Tq, Tk, bq, bk = 64, 50, 16, 8
+    qp, kp = positions(kind, Tq, Tk)
+    S = int(max(qp.max(), kp.max())) + 1  # a global segment array, read at the positions
+    rng = np.random.default_rng(len(kind) + len(segs))
+    if segs == "unsorted":
+        glob = rng.integers(0, 3, S)
+    else:
+        n = {"sorted": 4, "short": S // 5, "single": 1}[segs]
+        glob = np.zeros(S, int)
+        for c in rng.choice(np.arange(1, S), n - 1, replace=False):
+            glob[c:] += 1
+    qs, ks = glob[qp], glob[kp]
+    mask = MaskSpec(causal=True)
+    kp_pad, qs_pad, ks_pad = _padded_blocks(kp, bk), _padded_blocks(qs, bq), \
+        _padded_blocks(ks, bk)
+    Lk = len(kp_pad)
+
+    def lists(has_seg=True, **kw):
+        return np.asarray(tile_lists(mask, jnp.asarray(qp[None], jnp.int32),
+                                     jnp.asarray(kp_pad), Tk, bq, bk, has_seg, **kw))
+    tbl = lists(q_seg=jnp.asarray(qs_pad[None]), kv_seg=jnp.asarray(ks_pad[None]))
+    plain = lists()
+    vis = np.asarray(mask.visible(jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(qs),
+                                  jnp.asarray(ks)))
+    vis = np.pad(vis, ((0, 0), (0, Lk - Tk)))
+    for i in range(Tq // bq):
+        tiles = vis[i * bq:(i + 1) * bq].reshape(bq, Lk // bk, bk)
+        count, n_full, blocks = tbl[0, i, 0], tbl[0, i, 1], tbl[0, i, 2:]
+        listed = set(blocks[:count].tolist())
+        assert set(np.flatnonzero(tiles.any(axis=(0, 2)))) <= listed, "a visible tile dropped"
+        assert set(blocks[:n_full].tolist()) <= set(np.flatnonzero(tiles.all(axis=(0, 2)))), \
+            "a tile marked fully visible has a masked pair"
+        assert len(listed) == count <= plain[0, i, 0]
+        assert plain[0, i, 1] == 0  # without the ranges, segments make nothing full
+    if segs == "short" and kind != "striped":  # many documents: tiles are skipped
+        assert tbl[0, :, 0].sum() < plain[0, :, 0].sum()
+    if segs == "single":  # one document: the lists of a call without segment ids
+        np.testing.assert_array_equal(tbl, lists(has_seg=False))
+
+
+def test_segment_skip_flag_restores_the_plain_lists():
+    """``PallasConfig(segment_skip=False)`` / ``MgpuConfig(segment_skip=False)``: the
+    fallback that lists every position-visible tile."""
+    from jax_seqpar.kernels.pallas_common import segment_lists_args
+    seg = jnp.zeros((1, 32), jnp.int32)
+    assert segment_lists_args(seg, seg, False) == {}
+    assert set(segment_lists_args(seg, seg, True)) == {"q_seg", "kv_seg"}
+    assert segment_lists_args(None, None, True) == {}
+    assert not PallasConfig(segment_skip=False).segment_skip
+    with pytest.raises(ValueError, match="segment_skip"):
+        PallasConfig(segment_skip=1)
 
 
 def test_tile_lists_skip_tiles_for_causal():

@@ -45,6 +45,7 @@ def _request(**kw):
     (dict(num_stages=1), ">= 2"),
     (dict(block_kv=True), "positive int"),
     (dict(atomic_dq=1), "must be a bool"),
+    (dict(segment_skip=0), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
 ])
 def test_config_is_validated(kw, match):
@@ -143,6 +144,7 @@ def _lowered(f, *args):
     (128, 512, 512, False, None, False),
     (64, 300, 200, True, None, False),     # ragged, GQA
     (256, 256, 384, True, (70, 0), True),  # window, segments
+    (128, 512, 384, True, None, True),     # packed documents: segment-range tile lists
 ])
 def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     """The forward and both backward kernels trace and lower to Mosaic GPU custom calls."""

@@ -62,8 +62,9 @@ TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
 #: (2026-11-23, benchmarks/RESULTS.md, "Hopper kernel"), TFLOP/s forward (causal) and
 #: forward + backward (causal): cuDNN 559 (471) and 566 (513); the Mosaic GPU kernel
 #: ``pallas_mgpu`` 551 (497) and 492 (481), i.e. 0.99x (1.08x) and 0.87x (0.93x)
-#: cuDNN; the Triton kernel ``pallas`` 382 (289) and 342 (322); the xla kernel is
-#: 10-15x slower than Triton.  cuDNN cannot read positions, so it serves dense and
+#: cuDNN (over six runs: 0.94-1.00x (0.97-1.13x) and 0.84-0.90x, RESULTS.md); the
+#: Triton kernel ``pallas`` 382 (289) and 342 (322); the xla kernel is 10-15x slower
+#: than Triton.  cuDNN cannot read positions, so it serves dense and
 #: aligned tiles only, where its forward + backward is the fastest; general tiles go to
 #: ``pallas_mgpu`` on Hopper (it refuses other GPUs and float32), then to Triton.
 #: Backends not listed follow by priority.

@@ -30,7 +30,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # --------------------------------------------------------------------------- config
 @dataclasses.dataclass(frozen=True)
 class PallasConfig:
-    """Tile sizes and launch parameters (powers of two; ``block_*`` >= 16 for ``tl.dot``)."""
+    """Tile sizes and launch parameters (powers of two; ``block_*`` >= 16 for ``tl.dot``).
+
+    ``segment_skip``: with segment ids, skip the tiles whose blocks share no document and
+    run the tiles inside one document without the mask (``tile_lists``); False keeps
+    every position-visible tile and masks segments in each (the behaviour before).
+    """
 
     block_q: int = 128
     block_k: int = 64
@@ -40,9 +45,14 @@ class PallasConfig:
     block_k_bwd: int = 64
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    segment_skip: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.segment_skip, bool):
+            raise ValueError(f"PallasConfig.segment_skip={self.segment_skip!r} must be a bool")
         for f in dataclasses.fields(self):
+            if f.name == "segment_skip":
+                continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"PallasConfig.{f.name}={val!r} must be a positive int")
@@ -121,8 +131,38 @@ def _pad_to(x, axis, length, edge=False):
     return jnp.pad(x, widths, mode="edge") if edge else jnp.pad(x, widths)
 
 
+def block_ranges(x, block: int):
+    """Per-block ``(min, max)`` of ``x`` ``[..., L]`` (``L`` a multiple of ``block``),
+    each ``[..., L // block]``."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    return xb.min(-1), xb.max(-1)
+
+
+def segment_tiles(q_seg, kv_seg, bq: int, bk: int):
+    """``(may_share, one_segment)`` ``[B, nq, nk]`` from the per-block minimum and maximum
+    segment id of each side (computed once per call).
+
+    ``may_share`` is False only when the two blocks' id ranges are disjoint, which proves
+    that no query of the one block has a key of the other with its id; it holds for any
+    ids (sorted or not, in any layout), so a skipped tile is always fully masked.
+    ``one_segment``: both blocks hold one and the same id, so every pair shares it and a
+    kernel may skip the segment test.  Packed documents in increasing position order give
+    narrow ranges (a device's shard is in increasing position order in every layout), so
+    tiles between different documents are skipped; arbitrary ids give wide ranges and
+    merely skip less.  ``q_seg`` ``[B, Lq]``, ``kv_seg`` ``[B, Lk]``, padded (edge values)
+    to whole blocks.
+    """
+    q_lo, q_hi = block_ranges(q_seg, bq)          # [B, nq]
+    k_lo, k_hi = block_ranges(kv_seg, bk)         # [B, nk]
+    q_lo, q_hi = q_lo[:, :, None], q_hi[:, :, None]
+    k_lo, k_hi = k_lo[:, None, :], k_hi[:, None, :]
+    may_share = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one_segment = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return may_share, one_segment
+
+
 def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg: bool,
-               transpose: bool = False):
+               transpose: bool = False, q_seg=None, kv_seg=None):
     """Per row block, the column blocks it may see, as ``int32 [B, n_rows, n_cols + 2]``.
 
     Entry 0 is the number ``c`` of visible blocks, entry 1 the number ``f <= c`` of them
@@ -132,6 +172,12 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     (Softmax accumulation is order-independent.)  Rows are query blocks
     (``transpose=False``) or key blocks (``True``).  ``q_pos`` ``[B, Lq]`` and ``kv_pos``
     ``[Lk]`` are padded (edge values) to whole blocks.
+
+    Segment ids: with ``q_seg`` ``[B, Lq]`` and ``kv_seg`` ``[B, Lk]`` (padded like the
+    positions), a tile is also skipped when the blocks' id ranges prove that they share
+    no document, and counts as fully visible when both blocks lie in one and the same
+    document (``segment_tiles``).  Without them (``has_seg`` alone) segments make no
+    tile fully visible and skip none: the kernels' ``segment_skip=False``.
     """
     B, Lq = q_pos.shape
     qb = q_pos.reshape(B, Lq // bq, bq)
@@ -143,7 +189,13 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
     full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
     whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
-    full = full & whole[None, None, :] & (not has_seg) & vis
+    if q_seg is not None:
+        may_share, one_segment = segment_tiles(q_seg, kv_seg, bq, bk)
+        vis = vis & may_share
+        full = full & one_segment
+    elif has_seg:
+        full = full & False
+    full = full & whole[None, None, :] & vis
     if transpose:
         vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
     n_cols = vis.shape[2]
@@ -153,6 +205,14 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     n_full = full.sum(-1, dtype=jnp.int32)[..., None]
     order = jnp.where(jnp.arange(n_cols) < count, order, 0)
     return jnp.concatenate([count, n_full, order], axis=-1)
+
+
+def segment_lists_args(q_seg, kv_seg, skip: bool):
+    """The ``q_seg=, kv_seg=`` keywords of ``tile_lists`` (padded ids, or none when
+    ``skip`` is off or there are no segment ids)."""
+    if q_seg is None or not skip:
+        return {}
+    return dict(q_seg=q_seg, kv_seg=kv_seg)
 
 
 def mask_tile(mask: MaskSpec, s, q_pos, kv_pos, kv_index, Tk: int, q_seg=None, kv_seg=None):

@@ -16,7 +16,11 @@ runs one loop over the first kind with no mask code at all and a second loop tha
 evaluates the mask over the rest, so fully masked tiles cost nothing and neither loop
 has a branch (a branch in the loop body measurably slowed Triton's pipelined
 loads).  Because masks are predicates on global positions, the same kernel serves every
-ring step, layout and packed-document batch.
+ring step, layout and packed-document batch.  With segment ids the lists also drop the
+tiles whose blocks share no document (per-block minimum and maximum id, computed once
+per call: ``pallas_common.segment_tiles``) and run the tiles inside one document in the
+mask-free loop, so packed documents cost about their within-document work
+(``PallasConfig.segment_skip``, on by default).
 
 GQA: query head ``h`` reads key/value head ``h // g`` through the block index map; K/V
 are never repeated.  Ragged lengths: inputs are padded to whole blocks and padded keys
@@ -42,7 +46,7 @@ from jax_seqpar.kernels.pallas_common import (  # noqa: F401  (re-exported names
     DEFAULT_CONFIGS, DTYPES, F32, FLOAT32_CONFIGS, HEAD_DIMS, LN2, LOG2E, PallasConfig,
     _compiler_params, _dot_precision, _pad_to, check_request, default_config, dot,
     finish_rows, forward_smem_bytes, interpret_mode, mask_tile, needs_mask,
-    online_softmax_tile, tile_lists)
+    online_softmax_tile, segment_lists_args, tile_lists)
 from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.masks import MaskSpec
 
@@ -81,7 +85,11 @@ def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
     q_pos = jnp.broadcast_to(q_pos.astype(jnp.int32), (B, Tq))
     q_pos = _pad_to(q_pos, 1, Lq, edge=True)
     kv_pos = _pad_to(kv_pos.astype(jnp.int32), 0, Lk, edge=True)
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg)
+    if has_seg:
+        q_seg = _pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True)
+        kv_seg = _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg,
+                     **segment_lists_args(q_seg, kv_seg, config.segment_skip))
     qp, kp, vp = _pad_to(q, 1, Lq), _pad_to(k, 1, Lk), _pad_to(v, 1, Lk)
     nq, nk = Lq // bq, Lk // bk
     grid = (nq, B, Hq)
@@ -97,8 +105,7 @@ def pallas_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
     if has_seg:
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, Lk), lambda i, b, h: (b, 0))]
-        args += [_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
-                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True)]
+        args += [q_seg, kv_seg]
     args, out_shape = kernel_io(args, [((B, Lq, Hq, D), F32), ((B, Hq, Lq), F32)])
     kernel = functools.partial(
         _fwd_kernel, mask=mask, scale=scale, bk=bk, Tk=Tk, has_seg=has_seg,

@@ -13,8 +13,9 @@ With the saved (possibly *global*, as in ring attention) ``lse`` and
 * ``dQ``: one program per (query block, batch, query head), looping over the visible key
   blocks, like the forward.
 
-Both run over the tile lists of ``pallas_gpu.tile_lists``: fully masked tiles never
-run, and the fully visible ones run in a first loop without mask code.
+Both run over the tile lists of ``pallas_common.tile_lists``: fully masked tiles never
+run (with segment ids also those whose blocks share no document), and the fully visible
+ones (in one document) run in a first loop without mask code.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import (F32, LOG2E, PallasConfig, _compiler_params,
                                            _dot_precision, _pad_to, dot, mask_tile, needs_mask,
-                                           tile_lists)
+                                           segment_lists_args, tile_lists)
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -143,16 +144,18 @@ def pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
     lsep = _pad_to(lse.astype(F32), 2, Lq) if Lq == Tq else jnp.pad(
         lse.astype(F32), ((0, 0), (0, 0), (0, Lq - Tq)), constant_values=-jnp.inf)
     dlp = _pad_to(delta.astype(F32), 2, Lq)
-    segs = []
+    segs, seg_kw = [], {}
     if has_seg:
         segs = [_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True)]
+        seg_kw = segment_lists_args(*segs, config.segment_skip)
     masked = needs_mask(mask, Tk, bk, has_seg) or (Tq % bq != 0)
     precision = _dot_precision(q.dtype, interpret)
     params = None if interpret else _compiler_params(config.num_warps_bwd, config.num_stages_bwd)
 
     # ---- dK, dV: rows are key blocks
-    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg, transpose=True)
+    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg, transpose=True,
+                       **seg_kw)
     specs = [
         pl.BlockSpec((None, None, nq + 2), lambda j, b, h: (b, j, 0)),
         pl.BlockSpec((None, Lq, g, D), lambda j, b, h: (b, 0, h, 0)),
@@ -183,7 +186,7 @@ def pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
     )(*args)
 
     # ---- dQ: rows are query blocks
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, bq, bk, has_seg, **seg_kw)
     specs = [
         pl.BlockSpec((None, None, nk + 2), lambda i, b, h: (b, i, 0)),
         pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0)),

@@ -15,7 +15,11 @@ the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``
   ``n_full`` fully visible ones first: the consumers run them without mask code, then
   the partially visible ones with the mask evaluated on **global positions** (query
   positions per row, key positions per column, segment ids, padded keys), so one kernel
-  serves every ring step, layout (zigzag, striped), window and packed batch;
+  serves every ring step, layout (zigzag, striped), window and packed batch; with segment
+  ids the lists also leave out the tiles whose blocks share no document and count the
+  tiles inside one document as fully visible (``pallas_common.segment_tiles``, per-block
+  id ranges computed once per call, ``MgpuConfig.segment_skip``): the kernels themselves
+  are unchanged, they run what the lists say;
 * CTAs are launched **most tiles first** (a permutation of the query blocks by their
   tile count), so under a causal mask the last wave is short rows, not long ones;
 * rows that see no key give ``o = 0`` and ``lse = -inf`` (the running max is replaced
@@ -38,7 +42,8 @@ from jax import lax
 
 from jax_seqpar._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
-from jax_seqpar.kernels.pallas_common import _pad_to, default_config, tile_lists
+from jax_seqpar.kernels.pallas_common import (_pad_to, default_config, segment_lists_args,
+                                              tile_lists)
 from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
@@ -225,13 +230,14 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
     has_seg = q_seg is not None
     q_pos = _pad_to(jnp.broadcast_to(q_pos.astype(jnp.int32), (B, Tq)), 1, Lq, edge=True)
     kv_pos = _pad_to(kv_pos.astype(jnp.int32), 0, Lk, edge=True)
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg)
     masked = (mask.right_limit is not None or mask.left_limit is not None or has_seg
               or Tk % bk != 0)
     segs = (None, None)
     if has_seg:
         segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg,
+                     **segment_lists_args(*segs, config.segment_skip))
     o, lse = _fwd_call(tbl, cta_order(tbl), _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
                        _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
                        Tk=Tk, masked=masked, config=config)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar._compat import kernel_io
-from jax_seqpar.kernels.pallas_common import _pad_to, tile_lists
+from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    cta_order, produce_kv, tile_visible)
 from jax_seqpar.kernels.xla import attention_delta
@@ -412,7 +412,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
     pos_masked = mask.right_limit is not None or mask.left_limit is not None or has_seg
-    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True)
+    seg_kw = segment_lists_args(*segs, config.segment_skip)
+    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True, **seg_kw)
     if config.atomic_dq:
         dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
         dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
@@ -422,7 +423,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
                         *segs, mask=mask, scale=scale, masked=pos_masked, config=config)
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, **seg_kw)
     dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
                   mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk_dq != 0,
                   config=config)

@@ -36,7 +36,11 @@ class MgpuConfig:
     does: each consumer adds its ``dS K`` block into a float32 dQ in global memory with a TMA
     reduce-add) instead of a second kernel that recomputes ``P`` and ``dP``; ``split_dq``
     (with ``atomic_dq``, head dims of 128 and more): the two consumers share dS and each
-    computes half of dQ's columns.
+    computes half of dQ's columns.  ``segment_skip``: with segment ids, the tile lists
+    drop the tiles whose blocks share no document and list the tiles inside one document
+    as fully visible (mask-free loop): ``pallas_common.tile_lists``; the kernels are the
+    same either way.  False restores the lists of before (every position-visible tile,
+    segments masked in each), a fallback should the skipping misbehave on a GPU.
     """
 
     block_q: int = 64
@@ -48,16 +52,17 @@ class MgpuConfig:
     block_kv_dq: int = 64
     atomic_dq: bool = False
     split_dq: bool = False
+    segment_skip: bool = True
 
     def __post_init__(self):
-        for name in ("atomic_dq", "split_dq"):
+        for name in ("atomic_dq", "split_dq", "segment_skip"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
         for f in dataclasses.fields(self):
-            if f.name in ("atomic_dq", "split_dq"):
+            if f.name in ("atomic_dq", "split_dq", "segment_skip"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:

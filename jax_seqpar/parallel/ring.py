@@ -11,6 +11,19 @@ device) pair is computed by ``pairs.py``: tiles whose position bounds prove them
 masked skip their compute (their transfers still happen), and for causal contiguous and
 zigzag layouts one ``cond`` per pair picks the visible part, computed without a mask.
 
+**Packed documents** (segment ids, issue 27): a pair whose segment id ranges prove that
+it shares no document does no compute, in the forward and in both backwards
+(``pairs.shares_document``, folded into each pair's ``cond``); its transfer still
+happens.  The transfers cannot be skipped from the ids: the hops are a static schedule
+(a ``ppermute`` is a collective that every device of the axis joins, and which hops a
+device needs depends on every other device's ids, which are traced values), so the
+schedule knows only positions.  Where documents are known to be at most ``L`` tokens
+long, ``window=(L - 1, 0)`` with ``causal=True`` states it: it masks nothing more (a key
+of the query's own document is at most ``L - 1`` positions back), and the schedule then
+stops the blocks after the ``ceil((L - 1) / T)`` hops that reach it under the
+contiguous layout (``schedule.ring_schedule``) -- no compute *and* no transfer for the
+rest.  ``choose.choose_layout`` picks the layout from the document lengths.
+
 Backward (``custom_vjp``), along the same chains:
 
 * ``backward="kv"`` (Ring Attention): K, V travel as in the forward; each chain carries a
@@ -34,7 +47,6 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg
@@ -119,18 +131,15 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
     if half is not None:
         rows = slice(0, T // 2) if half == 0 else slice(T // 2, T)
         q, q_pos, q_seg = q[:, rows], q_pos[rows], None if seg is None else seg[:, rows]
-    n_rows = q.shape[1]
-    o = jnp.zeros((B, n_rows, Hq, D), F32)
-    lse = jnp.full((B, Hq, n_rows), -jnp.inf, F32)
-    o, lse = vary_like((o, lse), q, k, v)
-
     def visit(o, lse, block, src, same=False):
         kc, vc, sc = block
         o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, _positions(cfg, src, T, G), q_seg, sc,
                               idx, src, same=same, half=half)
-        return merge(o, lse, o_s, lse_s)
+        return (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
 
-    o, lse = visit(o, lse, (k, v, seg), idx, same=True)
+    # the own block starts the running (o, lse): a merge with the empty (0, -inf) would
+    # give it back bit for bit, at the cost of a pass over o
+    o, lse = visit(None, None, (k, v, seg), idx, same=True)
     for direction, n in _schedule(cfg, T, G).chains():
         def hop_visit(block, hop, home, direction=direction):
             return None, visit(*home, block, (idx - direction * hop) % G)
