@@ -11,8 +11,9 @@ and activations, random weights and prompts; the KV cache sharded over ``--devic
   ``lax.while_loop``), ms per token (the median of ``--repeats`` runs, each reusing the
   cache the previous returned), against the **memory-bandwidth floor**: the bytes a step
   must read -- every weight once plus each row's visible K/V cache (``2 * L * Hkv * Dh``
-  values per token of context, the context growing by one per step) -- over the HBM read
-  rate measured in the same run (a large ``sum``), per device;
+  values per token of context, the context growing by one per step) -- over the best HBM
+  rate measured in the same run (a large ``sum``, and a copy counting bytes read plus
+  written), per device;
 * **dense baseline** (one device): the same model and loop, but what a user would write
   without this library: a contiguous ``[B, cache_len, Hkv, D]`` cache updated with
   ``dynamic_update_slice`` and ``jax.nn.dot_product_attention`` over it with a length
@@ -44,19 +45,25 @@ from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
 from train_mfu import H200_BF16_DENSE, SIZES, flops_per_token  # noqa: E402
 
 
-def hbm_read_rate(gib=4):
-    """Bytes/s of a large read (``sum`` of a bf16 array), the decode floor's rate."""
+def hbm_rates(gib=4):
+    """Measured HBM rates (bytes/s): a large read (``sum`` of a bf16 array) and a copy
+    (``x + 1``, bytes read plus written).  The floor uses the larger: the best rate this
+    device showed for moving bytes."""
     n = gib * (1 << 30) // 2
     x = jnp.ones((n // 8192, 8192), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
+    rates = {}
+    for name, f, nbytes in (("read_sum", lambda x: jnp.sum(x, dtype=jnp.float32), 2 * n),
+                            ("copy", lambda x: x + 1, 4 * n)):
+        f = jax.jit(f)
         jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
+        ts = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t0)
+        rates[name] = nbytes / statistics.median(ts)
     del x
-    return 2 * n / statistics.median(ts)
+    return rates
 
 
 def dense_decoder(cfg: LlamaConfig, B: int, C: int, N: int):
@@ -202,9 +209,10 @@ def main(argv=None):
     mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
                          axis_types=(AxisType.Auto,))
     t_start = time.perf_counter()
-    rate = hbm_read_rate(1 if a.dry_run else 4)
-    print(f"{G} x {jax.devices()[0].device_kind}, JAX {jax.__version__}; HBM read rate "
-          f"{rate / 1e12:.2f} TB/s", flush=True)
+    rates = hbm_rates(1 if a.dry_run else 4)
+    rate = max(rates.values())
+    print(f"{G} x {jax.devices()[0].device_kind}, JAX {jax.__version__}; HBM: "
+          + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items()), flush=True)
     rows = []
     name = a.name or f"generate_{jax.default_backend()}{G}"
     for spec in a.configs.split(","):
@@ -220,7 +228,7 @@ def main(argv=None):
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                if k != "decode_runs_s"}, flush=True)
-        save_json(dict(env=env_info(), hbm_read_rate=rate, rows=rows),
+        save_json(dict(env=env_info(), hbm_rates=rates, hbm_rate_used=rate, rows=rows),
                   os.path.join(out_dir(), f"{name}.json"))
         jax.clear_caches()
     print(f"\n{'config':>16} {'prefill tok/s':>13} {'MFU':>6} {'decode ms/tok':>13} "

@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 from jax_seqpar.comm import collective_bytes
 from jax_seqpar.models import Llama, LlamaConfig
-from jax_seqpar.models.generate import generate, generator_for, make_plan
+from jax_seqpar.models.generate import CACHE_ALIGN, generate, generator_for, make_plan
 from jax_seqpar.models.hf import load_pretrained
 from jax_seqpar.models.sampling import sample_logits, top_k_mask, top_p_mask
 
@@ -177,5 +177,9 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_plan_pads_prompts_to_whole_passes():
     plan = make_plan(2, 100, 10, 4, max_prompt_len=90, prefill_chunk=32)
     assert (plan.num_chunks, plan.padded_len, plan.cache_len) == (4, 128, 128)
-    plan = make_plan(2, 100, 50, 4, max_prompt_len=100)
-    assert (plan.num_chunks, plan.chunk, plan.cache_len) == (1, 100, 152)
+    plan = make_plan(2, 100, 50, 4, max_prompt_len=100)       # 149 -> 38 slots -> 40
+    assert (plan.num_chunks, plan.chunk, plan.cache_len) == (1, 100, 160)
+    # long shards: whole blocks of CACHE_ALIGN slots (no padded copy in the kernel)
+    plan = make_plan(1, 131072, 64, 1, max_prompt_len=131072)
+    assert plan.cache_len == 131072 + CACHE_ALIGN
+    assert make_plan(1, 4000, 64, 8, max_prompt_len=4000).cache_len == 8 * 512

@@ -72,6 +72,9 @@ from jax_seqpar.parallel.tree import gathered_query_attention, tree_attention
 F32 = jnp.float32
 #: Default prefill pass: at most this many tokens per device (times the batch).
 PREFILL_TOKENS_PER_DEVICE = 16384
+#: The default cache holds a multiple of this many slots per device (the decode kernels'
+#: key blocks divide it); shards shorter than that are rounded to 8 slots.
+CACHE_ALIGN = 128
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -122,7 +125,11 @@ def make_plan(batch: int, prompt_len: int, max_new_tokens: int, num_shards: int,
     padded = num_chunks * prefill_chunk
     need = max(padded, max_prompt_len + max_new_tokens - 1)
     if cache_len is None:
-        cache_len = _round_up(need, G)
+        # Whole key blocks per device: a decode kernel pads a shard whose length is not a
+        # multiple of its key block, i.e. copies the layer's cache at every step (on an
+        # H200, 7B at 128k: 19.2 ms per token with 131135 slots).
+        per_device = -(-need // G)
+        cache_len = G * _round_up(per_device, CACHE_ALIGN if per_device > CACHE_ALIGN else 8)
     else:
         if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 1:
             raise ValueError(f"cache_len={cache_len!r} must be a positive int or None")
@@ -530,7 +537,9 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
       eos_id: a row stops at this token; its later positions are filled with ``eos_id``
         (the loop ends when every row has stopped).
       cache_len: the cache's length (default: the padded prompt plus the new tokens,
-        rounded up to the devices); must be divisible by the number of devices.
+        rounded up to whole ``CACHE_ALIGN`` slots per device); must be divisible by the number of
+        devices, and should leave each device a multiple of the decode kernel's key block
+        (``pallas_decode``: 64), which otherwise copies the cache at every step.
       callback: ``callback(step, tokens)`` (an int and a NumPy ``[B]`` array) on the host
         for every new token, in order, once per step whatever the number of devices
         (streaming costs one host round trip per token).
