@@ -21,6 +21,11 @@ and activations, random weights and prompts; the KV cache sharded over ``--devic
 
     python benchmarks/generate.py --dry-run                      # CPU, tiny, 2 devices
     python benchmarks/generate.py --configs 7b:131072:1,7b:32768:8,1b:131072:1
+    python benchmarks/generate.py --devices 4 --configs 7b:524288:1,1b:1048576:1,1b:524288:8
+
+With several devices the same cache is also decoded with ``ring`` and ``allgather``
+(``--strategies``; ``generator_for(..., decode_strategy=)``: the step with the cache
+shards circulating, or gathered, instead of tree attention's two all-reduces).
 """
 
 from __future__ import annotations
@@ -160,6 +165,20 @@ def run_config(size, P_, B, a, mesh, rate):
                kv_cache_bytes_per_device=B * gen.plan.cache_len * kv_per_tok // G,
                floor_ms_per_token=floor_ms, fraction_of_floor=floor_ms / ms,
                peak_bytes=peak_memory_bytes(mesh.devices.flat[0]))
+    # ---- the same step with the decoding baselines (several devices: issue 29)
+    for strategy in a.strategies:
+        other = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk,
+                              decode_strategy=strategy)
+        dec = other.decode(None).lower(params, logits, lengths, state["cache"],
+                                       rng).compile()
+
+        def three(dec=dec):
+            o, state["cache"] = dec(params, logits, lengths, state["cache"], rng)
+            jax.block_until_ready(o)
+        three()
+        t_s, _ = median_time(three, a.repeats)
+        row[f"{strategy}_decode_ms_per_token"] = 1e3 * t_s / steps
+        row[f"tree_speedup_vs_{strategy}"] = (1e3 * t_s / steps) / ms
     del state
     # ---- dense baseline on one device
     if G == 1 and not a.no_baseline:
@@ -198,6 +217,9 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9,
                    help="start no new configuration after this many seconds")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--strategies", default=None,
+                   help="decoding baselines timed on the same cache: ring,allgather "
+                        "(default: both when there are several devices)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: the tiny shape, short prompts, 2 devices, float32")
     p.add_argument("--name", default=None)
@@ -208,6 +230,8 @@ def main(argv=None):
     G = a.devices or jax.device_count()
     mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
                          axis_types=(AxisType.Auto,))
+    a.strategies = ([x for x in a.strategies.split(",") if x] if a.strategies is not None
+                    else (["ring", "allgather"] if G > 1 else []))
     t_start = time.perf_counter()
     rates = hbm_rates(1 if a.dry_run else 4)
     rate = max(rates.values())
@@ -232,7 +256,8 @@ def main(argv=None):
                   os.path.join(out_dir(), f"{name}.json"))
         jax.clear_caches()
     print(f"\n{'config':>16} {'prefill tok/s':>13} {'MFU':>6} {'decode ms/tok':>13} "
-          f"{'floor ms':>9} {'of floor':>8} {'dense ms':>9} {'x dense':>7}")
+          f"{'floor ms':>9} {'of floor':>8} {'dense ms':>9} {'x dense':>7} "
+          + " ".join(f"{s + ' ms':>13}" for s in a.strategies))
     for r in rows:
         tag = f"{r['size']}:{r['prompt']}:{r['batch']}"
         if "error" in r:
@@ -241,7 +266,9 @@ def main(argv=None):
         print(f"{tag:>16} {r['prefill_tokens_per_s']:13.0f} {r['prefill_mfu']:6.3f} "
               f"{r['decode_ms_per_token']:13.3f} {r['floor_ms_per_token']:9.3f} "
               f"{r['fraction_of_floor']:8.3f} {r.get('dense_ms_per_token', math.nan):9.3f} "
-              f"{r.get('speedup_vs_dense', math.nan):7.2f}")
+              f"{r.get('speedup_vs_dense', math.nan):7.2f} "
+              + " ".join(f"{r.get(s + '_decode_ms_per_token', math.nan):13.3f}"
+                         for s in a.strategies))
     return 0
 
 

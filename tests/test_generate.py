@@ -101,6 +101,28 @@ def test_decode_step_sends_one_pmax_and_one_psum_per_layer():
     assert report.total_bytes == pytest.approx(c.num_layers * per_layer, rel=1e-6)
 
 
+def test_ring_and_allgather_decoding_give_the_same_tokens_with_their_own_traffic():
+    """The baselines of ``benchmarks/generate.py``: same tokens; the ring step permutes
+    the cache shards (G - 1 hops per layer), the all-gather step gathers them."""
+    model, params, toks = tiny()
+    G, B = 4, 3
+    tree = generate(model, params, toks, max_new_tokens=4, prompt_lengths=LENGTHS,
+                    mesh=mesh(G))
+    for strategy, kind in (("ring", "collective-permute"), ("allgather", "all-gather")):
+        gen = generator_for(model, (B, 40), 4, mesh=mesh(G), decode_strategy=strategy,
+                            max_prompt_len=int(LENGTHS.max()))
+        p = gen.replicate(params)
+        logits, cache = gen.prefill(p, toks, jnp.asarray(LENGTHS))
+        cache_copy = jax.tree.map(jnp.copy, cache)
+        out, _ = gen.decode()(p, logits, jnp.asarray(LENGTHS), cache, jax.random.key(0))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(tree), strategy)
+        counts = collective_bytes(jax.jit(gen.step), p, jnp.zeros((B,), jnp.int32),
+                                  jnp.asarray(LENGTHS), cache_copy).count_by_kind()
+        assert counts.get(kind, 0) > 0 and "all-reduce" not in counts, (strategy, counts)
+    with pytest.raises(ValueError, match="decode_strategy='star'"):
+        generator_for(model, (B, 40), 4, decode_strategy="star")
+
+
 def test_eos_stops_rows_and_fills_them():
     model, params, toks = tiny()
     free = np.asarray(generate(model, params, toks, max_new_tokens=6, prompt_lengths=LENGTHS))

@@ -65,7 +65,8 @@ from jax_seqpar.layers.rope import apply_rope
 from jax_seqpar.layouts import permutation
 from jax_seqpar.models.llama import Llama, LlamaConfig, RMSNorm, SwiGLU
 from jax_seqpar.models.sampling import check_sampling, sample_logits
-from jax_seqpar.parallel.common import make_config
+from jax_seqpar.parallel.common import make_config, ring_shift
+from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.ring import ring_attention_with_config
 from jax_seqpar.parallel.tree import gathered_query_attention, tree_attention
 
@@ -284,19 +285,51 @@ def _prefill_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params
     return parts.logits(p, h_last.astype(dt)[:, None])[:, 0], cache
 
 
-def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params, tok, pos,
-                  cache):
+DECODE_STRATEGIES = ("tree", "ring", "allgather")
+
+
+def _cache_attention(strategy, cfg, axis, G, q, k, v, q_pos, shard_positions):
+    """Replicated queries against the cache shards: ``tree`` (Tree Attention Alg. 3: local
+    kernel, one ``pmax``, one fused ``psum``) or, as baselines of the same step, ``ring``
+    (the shards circulate, G - 1 hops) and ``allgather`` (every device gathers the
+    cache).  ``shard_positions(j)``: the positions held by device ``j``'s shard."""
+    idx = lax.axis_index(axis)
+    if strategy == "tree":
+        return tree_attention(cfg, q, k, v, q_pos, shard_positions(idx))
+    if strategy == "allgather":
+        k_all = lax.all_gather(k, axis, axis=1, tiled=True)
+        v_all = lax.all_gather(v, axis, axis=1, tiled=True)
+        pos_all = jnp.concatenate([shard_positions(j) for j in range(G)])
+        return cfg.kernel.fwd(q, k_all, v_all, q_pos, pos_all, cfg.mask,
+                              cfg.scale)[0].astype(q.dtype)
+    o = jnp.zeros(q.shape, F32)
+    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, F32)
+    block = (k, v)
+    for step in range(G):
+        nxt = ring_shift(block, axis, G) if step < G - 1 else None
+        o_s, lse_s = cfg.kernel.fwd(q, block[0], block[1], q_pos,
+                                    shard_positions((idx - step) % G), cfg.mask, cfg.scale)
+        o, lse = merge(o, lse, o_s.astype(F32), lse_s)
+        block = nxt
+    return o.astype(q.dtype)
+
+
+def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, strategy, params,
+                  tok, pos, cache):
     """Per device, one decode step: ``tok``, ``pos`` ``[B]`` (replicated) -> logits
     ``[B, V]`` (replicated) and the cache shards with the new keys/values written."""
     c, p = parts.config, _params(params)
     G, B = plan.num_shards, plan.batch
     slots = plan.cache_len // G
     idx = lax.axis_index(axis)
-    kv_pos = (jnp.arange(slots, dtype=jnp.int32) * G + idx).astype(jnp.int32)
     own = (pos % G) == idx
     slot = jnp.clip(pos // G, 0, slots - 1)
     rows = jnp.arange(B)
     ks, vs = list(cache[0]), list(cache[1])
+
+    def shard_positions(j):                      # striped: slot s of device j is s*G + j
+        return (jnp.arange(slots, dtype=jnp.int32) * G + j).astype(jnp.int32)
+
     x = parts.embed(p, tok[:, None])                                    # [B, 1, d]
     for layer in range(c.num_layers):
         def attend(q, k, v, layer=layer):
@@ -307,7 +340,8 @@ def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params,
             cfg = make_config(q, k, axis_name=axis, causal=True, window=c.window,
                               segment_ids=None, scale=None, layout="contiguous",
                               backward="kv", kernel=kernel)
-            return tree_attention(cfg, q, ks[layer], vs[layer], pos[:, None], kv_pos)
+            return _cache_attention(strategy, cfg, axis, G, q, ks[layer], vs[layer],
+                                    pos[:, None], shard_positions)
         x = parts.block(p[f"layer_{layer}"], x, pos[:, None], attend)
     return parts.logits(p, x)[:, 0], (tuple(ks), tuple(vs))
 
@@ -336,6 +370,7 @@ class Generator:
     eos_id: Optional[int] = None
     kernel: str = "auto"
     decode_kernel: str = "auto"
+    decode_strategy: str = "tree"
 
     @property
     def parts(self) -> LlamaParts:
@@ -388,7 +423,8 @@ class Generator:
         if kernel == "auto":
             probe = jnp.zeros((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
             kernel = decode_kernel_name("auto", probe)
-        local = functools.partial(_decode_local, self.parts, plan, axis, kernel)
+        local = functools.partial(_decode_local, self.parts, plan, axis, kernel,
+                                  self.decode_strategy)
 
         def step(params, tok, pos, cache):
             smap = _compat.shard_map(
@@ -496,8 +532,13 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
                   axis_name: str = "sp", max_prompt_len: Optional[int] = None,
                   temperature: float = 0.0, top_k=None, top_p=None, eos_id=None,
                   cache_len=None, prefill_chunk=None, kernel="auto",
-                  decode_kernel="auto") -> Generator:
-    """The ``Generator`` (compiled programs) that ``generate`` would use."""
+                  decode_kernel="auto", decode_strategy="tree") -> Generator:
+    """The ``Generator`` (compiled programs) that ``generate`` would use;
+    ``decode_strategy="ring"`` / ``"allgather"`` decode with the baselines instead of
+    tree attention (for comparisons: the same cache, the same step otherwise)."""
+    if decode_strategy not in DECODE_STRATEGIES:
+        raise ValueError(f"unknown decode_strategy={decode_strategy!r}; choose one of "
+                         f"{DECODE_STRATEGIES}")
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a jax_seqpar.models.Llama, got "
                         f"{type(model).__name__}")
@@ -513,7 +554,7 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
                      cache_len=cache_len, prefill_chunk=prefill_chunk)
     return _generator(model.config, mesh, axis_name, plan, float(temperature), top_k,
                       None if top_p is None else float(top_p), eos_id, kernel,
-                      decode_kernel)
+                      decode_kernel, decode_strategy)
 
 
 def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Optional[Mesh] = None,
@@ -562,5 +603,5 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
     return gen.decode(callback)(params, logits, lengths, cache, rng)[0]
 
 
-__all__ = ["GenerationPlan", "Generator", "LlamaParts", "generate", "generator_for",
+__all__ = ["DECODE_STRATEGIES", "GenerationPlan", "Generator", "LlamaParts", "generate", "generator_for",
            "make_plan"]
