@@ -67,6 +67,7 @@ GROUPS = {
     # lru_cached jitted losses / compiled programs shared by the tests of each file
     "test_remat.py": "remat",
     "test_llama.py": "llama",
+    "test_generate.py": "generate",
     # one reference training run (module fixture) and a compilation cache for its children
     "test_training_checkpoint.py": "training_checkpoint",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
@@ -84,6 +85,8 @@ LONGEST_FIRST = (
     "test_remat.py",
     "test_llama.py",
     "test_training_checkpoint.py",
+    "test_readme.py",
+    "test_generate.py",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
     "test_decode_kernel_benchmark.py",
     "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_reference",
