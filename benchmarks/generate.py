@@ -40,7 +40,6 @@ import _setup  # noqa: F401
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -179,7 +178,7 @@ def run_config(size, P_, B, a, mesh, rate):
         t_s, _ = median_time(three, a.repeats)
         row[f"{strategy}_decode_ms_per_token"] = 1e3 * t_s / steps
         row[f"tree_speedup_vs_{strategy}"] = (1e3 * t_s / steps) / ms
-    del state
+    state.clear()
     # ---- dense baseline on one device
     if G == 1 and not a.no_baseline:
         C = gen.plan.cache_len

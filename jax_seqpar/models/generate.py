@@ -51,7 +51,6 @@ import dataclasses
 import functools
 from typing import Callable, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +60,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_seqpar import _compat
 from jax_seqpar.decode import decode_kernel_name
-from jax_seqpar.layers.rope import apply_rope
 from jax_seqpar.layouts import permutation
-from jax_seqpar.models.llama import Llama, LlamaConfig, RMSNorm, SwiGLU
+from jax_seqpar.models.llama import Llama, LlamaConfig, LlamaParts
 from jax_seqpar.models.sampling import check_sampling, sample_logits
 from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
@@ -154,75 +152,6 @@ def make_plan(batch: int, prompt_len: int, max_new_tokens: int, num_shards: int,
     return GenerationPlan(batch=batch, prompt_len=prompt_len, chunk=prefill_chunk,
                           num_chunks=num_chunks, cache_len=cache_len, num_shards=G,
                           max_new_tokens=max_new_tokens)
-
-
-# ------------------------------------------------------------ the model, layer by layer
-
-@dataclasses.dataclass(frozen=True)
-class LlamaParts:
-    """The Flax modules of one ``models.Llama`` block and of its ends, applied one at a
-    time to their own parameter subtrees, so prefill and decode run the model's own
-    layers (same modules, same dtypes) around their own attention."""
-
-    config: LlamaConfig
-
-    def _dt(self):
-        c = self.config
-        return jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-
-    def embed(self, p, tokens):
-        c = self.config
-        dt, pdt = self._dt()
-        return nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt).apply(
-            {"params": p["embed"]}, tokens)
-
-    def norm(self, p, x):
-        dt, pdt = self._dt()
-        return RMSNorm(self.config.norm_eps, dt, pdt).apply({"params": p}, x)
-
-    def qkv(self, p, x, positions):
-        """Projections and RoPE: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``."""
-        c = self.config
-        dt, pdt = self._dt()
-
-        def proj(name, heads):
-            return nn.DenseGeneral((heads, c.head_dim), use_bias=c.attention_bias, dtype=dt,
-                                   param_dtype=pdt).apply({"params": p[name]}, x)
-        q, k = proj("q_proj", c.num_heads), proj("k_proj", c.num_kv_heads)
-        v = proj("v_proj", c.num_kv_heads)
-        rope = functools.partial(apply_rope, positions=positions, theta=c.rope_theta,
-                                 scaling=c.rope_scaling)
-        return rope(q), rope(k), v
-
-    def out(self, p, o):
-        c = self.config
-        dt, pdt = self._dt()
-        return nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=c.attention_out_bias,
-                               dtype=dt, param_dtype=pdt).apply({"params": p["o_proj"]}, o)
-
-    def mlp(self, p, x):
-        dt, pdt = self._dt()
-        return SwiGLU(self.config.ffn_dim, dt, pdt, self.config.mlp_bias).apply(
-            {"params": p}, x)
-
-    def block(self, lp, x, positions, attend):
-        """One decoder block; ``attend(q, k, v) -> o`` is the attention in between."""
-        q, k, v = self.qkv(lp["attn"], self.norm(lp["attn_norm"], x), positions)
-        h = x + self.out(lp["attn"], attend(q, k, v))
-        return h + self.mlp(lp["mlp"], self.norm(lp["mlp_norm"], h))
-
-    def logits(self, p, x):
-        """Final norm and LM head: float32 logits ``[..., vocab]``."""
-        c = self.config
-        dt, pdt = self._dt()
-        x = self.norm(p["final_norm"], x)
-        if c.tie_embeddings:
-            out = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt).apply(
-                {"params": p["embed"]}, x, method="attend")
-        else:
-            out = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt).apply(
-                {"params": p["lm_head"]}, x)
-        return out.astype(F32)
 
 
 def _params(params):
@@ -470,12 +399,11 @@ class Generator:
             _, _, _, out, cache = lax.while_loop(cond, body, state)
             return out, cache
 
-        cb = None
-        if callback is not None:
-            def cb(step, toks):      # once per step, in order, on the host
-                io_callback(lambda s, t: callback(int(s), np.asarray(t)), None, step, toks,
-                            ordered=True)
-        return jax.jit(lambda *a: run(*a, cb), donate_argnums=(3,))
+        def stream(step, toks):      # once per step, in order, on the host
+            io_callback(lambda s, t: callback(int(s), np.asarray(t)), None, step, toks,
+                        ordered=True)
+        return jax.jit(lambda *a: run(*a, None if callback is None else stream),
+                       donate_argnums=(3,))
 
 
 @functools.lru_cache(maxsize=32)

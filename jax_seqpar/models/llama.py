@@ -27,6 +27,7 @@ block inputs only, ``"attention"`` also keeps the attention output and lse (Dist
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -37,7 +38,7 @@ from jax.sharding import Mesh
 
 from jax_seqpar.layers.core import SeqParallelOptions
 from jax_seqpar.layers.linen import SeqParallelAttention
-from jax_seqpar.layers.rope import RopeScaling, as_rope_scaling
+from jax_seqpar.layers.rope import RopeScaling, apply_rope, as_rope_scaling
 from jax_seqpar.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
 from jax_seqpar.remat import REMAT_MODES, policy_for
@@ -291,6 +292,75 @@ class Llama(nn.Module):
             logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
                               name="lm_head")(x)
         return logits if layout_order else self.from_layout(logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaParts:
+    """The Flax modules of one ``Llama`` block and of its ends, applied one at a time to
+    their own parameter subtrees (the same modules, dtypes and biases as ``LlamaBlock``),
+    so that code running the model piece by piece -- ``models.generate``'s prefill and
+    decode around a KV cache -- brings only its own attention.  Keep it in step with
+    ``LlamaBlock`` and ``Llama.__call__`` (``tests/test_generate.py`` compares the two)."""
+
+    config: LlamaConfig
+
+    def _dt(self):
+        c = self.config
+        return jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+
+    def embed(self, p, tokens):
+        c = self.config
+        dt, pdt = self._dt()
+        return nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt).apply(
+            {"params": p["embed"]}, tokens)
+
+    def norm(self, p, x):
+        dt, pdt = self._dt()
+        return RMSNorm(self.config.norm_eps, dt, pdt).apply({"params": p}, x)
+
+    def qkv(self, p, x, positions):
+        """Projections and RoPE: ``q [B, T, Hq, D]``, ``k, v [B, T, Hkv, D]``."""
+        c = self.config
+        dt, pdt = self._dt()
+
+        def proj(name, heads):
+            return nn.DenseGeneral((heads, c.head_dim), use_bias=c.attention_bias, dtype=dt,
+                                   param_dtype=pdt).apply({"params": p[name]}, x)
+        q, k = proj("q_proj", c.num_heads), proj("k_proj", c.num_kv_heads)
+        v = proj("v_proj", c.num_kv_heads)
+        rope = functools.partial(apply_rope, positions=positions, theta=c.rope_theta,
+                                 scaling=c.rope_scaling)
+        return rope(q), rope(k), v
+
+    def out(self, p, o):
+        c = self.config
+        dt, pdt = self._dt()
+        return nn.DenseGeneral(c.d_model, axis=(-2, -1), use_bias=c.attention_out_bias,
+                               dtype=dt, param_dtype=pdt).apply({"params": p["o_proj"]}, o)
+
+    def mlp(self, p, x):
+        dt, pdt = self._dt()
+        return SwiGLU(self.config.ffn_dim, dt, pdt, self.config.mlp_bias).apply(
+            {"params": p}, x)
+
+    def block(self, lp, x, positions, attend):
+        """One decoder block; ``attend(q, k, v) -> o`` is the attention in between."""
+        q, k, v = self.qkv(lp["attn"], self.norm(lp["attn_norm"], x), positions)
+        h = x + self.out(lp["attn"], attend(q, k, v))
+        return h + self.mlp(lp["mlp"], self.norm(lp["mlp_norm"], h))
+
+    def logits(self, p, x):
+        """Final norm and LM head: float32 logits ``[..., vocab]``."""
+        c = self.config
+        dt, pdt = self._dt()
+        x = self.norm(p["final_norm"], x)
+        if c.tie_embeddings:
+            out = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt).apply(
+                {"params": p["embed"]}, x, method="attend")
+        else:
+            out = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt).apply(
+                {"params": p["lm_head"]}, x)
+        return out.astype(F32)
 
 
 def check_positions(positions, shape) -> None:
