@@ -67,6 +67,7 @@ GROUPS = {
     # lru_cached jitted losses / compiled programs shared by the tests of each file
     "test_remat.py": "remat",
     "test_llama.py": "llama",
+    "test_packed_training.py": "packed_training",
     # one reference training run (module fixture) and a compilation cache for its children
     "test_training_checkpoint.py": "training_checkpoint",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
@@ -83,6 +84,7 @@ LONGEST_FIRST = (
     "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
     "test_remat.py",
     "test_llama.py",
+    "test_packed_training.py",
     "test_training_checkpoint.py",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
     "test_decode_kernel_benchmark.py",
