@@ -85,6 +85,7 @@ LONGEST_FIRST = (
     "test_remat.py",
     "test_llama.py",
     "test_packed_training.py",
+    "test_finetune_example.py",
     "test_training_checkpoint.py",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
     "test_decode_kernel_benchmark.py",
