@@ -269,12 +269,13 @@ def initial_state(a, model, optimizer, key, abstract):
 
 # --------------------------------------------------------------------------- training
 def read_log(path, upto):
-    """The rows of an earlier run's log up to step ``upto`` (a resumed run recomputes the
-    steps after its checkpoint)."""
+    """``(rows, packing reports)`` of an earlier run's log: its rows up to step ``upto`` (a
+    resumed run recomputes the steps after its checkpoint) and its stages' reports."""
     if upto == 0 or not os.path.exists(path):
-        return []
+        return [], {}
     with open(path) as f:
-        return [r for r in json.load(f).get("log", []) if r["step"] <= upto]
+        old = json.load(f)
+    return [r for r in old.get("log", []) if r["step"] <= upto], old.get("packing", {})
 
 
 def main():
@@ -319,7 +320,6 @@ def main():
 
     os.makedirs(a.out, exist_ok=True)
     log_path = os.path.join(a.out, "finetune_log.json")
-    reports = {}
     t_start = time.perf_counter()
     with TrainCheckpointer(CheckpointConfig(a.ckpt_dir, save_every=a.save_every,
                                             keep=a.keep)) as ckpt:
@@ -330,7 +330,7 @@ def main():
         else:
             state, done, data_state = restored.state, restored.step, restored.data_state
             say(f"resumed from {a.ckpt_dir} at step {done}")
-        log = read_log(log_path, done)
+        log, reports = read_log(log_path, done)
         steps = range(done, min(total, a.stop_after or total))
         bar = None
         try:
@@ -374,7 +374,7 @@ def main():
                         say(f"step {step:5d}  loss {row['loss']:.3f}", flush=True)
                 if bar is not None:
                     bar.update(1)
-            reports[i + 1] = it.report.summary()
+            reports[str(i + 1)] = it.report.summary()  # JSON keys: the stage as a string
         if bar is not None:
             bar.close()
     wall = time.perf_counter() - t_start

@@ -51,7 +51,7 @@ def test_finetune_stops_resumes_exactly_and_exports(tmp_path):
     assert log[:4] == first["log"][:4]         # kept from the first run
     assert log[4]["loss"] == first["log"][4]["loss"]  # step 5 recomputed: bit-identical
     assert log[-1]["loss"] < log[0]["loss"]
-    assert set(second["packing"]) == {"2"}     # the resumed run packed stage 2 only
+    assert set(second["packing"]) == {"1", "2"}  # stage 1 kept from the first run
 
     # The export: transformers' layout, the last stage's RoPE base and length, trained.
     cfg, params = load_pretrained(tmp_path / "export", dtype="float32")
