@@ -17,8 +17,24 @@ attention's score and value matmuls, ``12 * L * S * Hq * Dh`` forward + backward
 measured in the same run (8192^3).  Peak memory: the largest ``peak_bytes_in_use`` over
 the devices (``memory_stats()``; not available on CPU).
 
+**Packed documents** (``--packed MEDIAN``, issue 26): the sequence is one row of
+documents with log-normal lengths (median ``MEDIAN`` tokens, log-sd 1, as
+``packing_efficiency.py``), packed by ``data.pack_documents`` (``"sequential"``: the row
+is full, no padding; a document longer than the row is cut), with segment ids and
+positions restarting per document.  The packed step and the unpacked one (the same
+tokens without segment ids or positions) are built on one state and timed alternately,
+step for step, in the same run.  The packed row's FLOPs count attention **within
+documents only**: a document of ``n`` tokens does ``n^2 / 2`` causal pairs, so its
+attention term is ``12 * L * Hq * Dh * sum(n_i^2) / 2`` per step, i.e.
+``6 * L * Hq * Dh * sum(n_i^2) / S`` per token instead of ``6 * L * Hq * Dh * S``; the
+matmul term is the same.  Packed MFU is thus useful work only: the attention kernels
+still visit the cross-document tiles that the mask empties (skipping them is the
+document-aware attention issue), so packed MFU below unpacked MFU is that waste.
+
     python benchmarks/train_mfu.py --preset cpu          # tiny model, 8 simulated devices
     python benchmarks/train_mfu.py --preset gpu --sizes 1b --devices 1,2,4 --tokens-per-gpu 32768
+    python benchmarks/train_mfu.py --preset gpu --sizes 1b --devices 1 --tokens-per-gpu 65536 \
+        --packed 4096                                    # packed vs unpacked, one run
 """
 
 from __future__ import annotations
@@ -65,14 +81,47 @@ PRESETS = {
 }
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int, causal: bool = True) -> dict:
+def flops_per_token(cfg: LlamaConfig, seq_len: int, causal: bool = True,
+                    documents=None) -> dict:
+    """Model FLOPs per token (module docstring).  ``documents``: the lengths of the packed
+    documents of a ``seq_len`` row; attention then counts within-document pairs only
+    (``sum(n^2) / seq_len`` keys per query on average instead of ``seq_len``)."""
     d, L, H, Hkv, Dh, F, V = (cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
                               cfg.head_dim, cfg.ffn_dim, cfg.vocab_size)
     per_layer = d * H * Dh + 2 * d * Hkv * Dh + H * Dh * d + 3 * d * F
     n_matmul = L * per_layer + d * V
-    attn = 12 * L * seq_len * H * Dh * (0.5 if causal else 1.0)
+    context = seq_len
+    if documents is not None:
+        lengths = np.asarray(documents, np.float64)
+        if lengths.sum() != seq_len:
+            raise ValueError(f"documents sum to {lengths.sum():.0f} tokens, not "
+                             f"seq_len={seq_len}")
+        context = float((lengths ** 2).sum() / seq_len)
+    attn = 12 * L * context * H * Dh * (0.5 if causal else 1.0)
     return dict(n_matmul=n_matmul, dense=6 * n_matmul, attention=attn,
                 total=6 * n_matmul + attn)
+
+
+def packed_row(S: int, median: int, vocab: int, seed: int = 0) -> dict:
+    """One full row of ``S`` tokens: random documents with log-normal lengths (median
+    ``median``, log-sd 1) packed by ``data.pack_documents`` (sequential: no padding).
+    Returns the ``[1, S]`` ``tokens``, ``segment_ids``, ``positions`` and the lengths."""
+    from jax_seqpar.data import pack_documents
+
+    if median < 1:
+        raise ValueError(f"--packed={median} must be a positive document length")
+    rng = np.random.default_rng(seed)
+    docs, total = [], 0
+    while total < S:
+        n = max(1, int(np.exp(rng.normal(np.log(median), 1.0))))
+        docs.append(rng.integers(0, vocab, n, dtype=np.int32))
+        total += n
+    rows = pack_documents(docs, S, policy="sequential").batches[0]  # every row, one batch
+    row = {k: rows[k][:1] for k in ("tokens", "segment_ids", "positions")}
+    seg = row["segment_ids"][0]
+    assert seg.min() >= 1, "a sequential row is full"
+    row["lengths"] = np.bincount(seg)[1:]
+    return row
 
 
 def matmul_rate(n=8192):
@@ -88,70 +137,105 @@ def matmul_rate(n=8192):
 
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
-          lr=1e-4, seed=0):
-    """``(step, state, batch, cfg, state_bytes)``; ``step(state, batch)`` -> ``(state,
-    metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state donated and kept
-    on the shardings of ``params_mode``, created in place by ``init_train_state``)."""
+          lr=1e-4, seed=0, packed=None):
+    """``(step, state, batches, cfg, state_bytes, lengths)``; ``step(state, batch)`` ->
+    ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
+    donated and kept on the shardings of ``params_mode``, created in place by
+    ``init_train_state``).  ``batches``: ``{"unpacked": {"tokens"}}``, and with ``packed``
+    (a median document length) also ``"packed"``: the same tokens with the segment ids and
+    positions of ``packed_row``, whose document ``lengths`` are returned (else None)."""
     devs = jax.devices()[:G]
     mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=remat)
     model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
-    tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, S), 0, cfg.vocab_size,
-                                jnp.int32)
-    tokens = jax.device_put(tokens, NamedSharding(mesh, P(None, "sp")))
+    seq = NamedSharding(mesh, P(None, "sp"))
+    lengths = None
+    if packed is None:
+        tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, S), 0, cfg.vocab_size,
+                                    jnp.int32)
+        batches = {"unpacked": {"tokens": jax.device_put(tokens, seq)}}
+    else:
+        row = packed_row(S, packed, cfg.vocab_size, seed + 1)
+        lengths = row.pop("lengths")
+        row = {k: jax.device_put(v, seq) for k, v in row.items()}
+        batches = {"packed": row, "unpacked": {"tokens": row["tokens"]}}
     opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
     key = jax.random.PRNGKey(seed)
-    abstract = abstract_train_state(model, opt, key, tokens.shape, sharding=params_mode)
-    state = init_train_state(model, opt, key, tokens.shape, sharding=params_mode)
+    abstract = abstract_train_state(model, opt, key, (1, S), sharding=params_mode)
+    state = init_train_state(model, opt, key, (1, S), sharding=params_mode)
     step = make_train_step(model, opt, shardings=abstract)
     state_bytes = sum(bytes_per_device(t, shardings_of(t))
                       for t in (abstract.params, abstract.opt_state))
-    return step, state, {"tokens": tokens}, cfg, state_bytes
+    return step, state, batches, cfg, state_bytes, lengths
 
 
-def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate):
-    step, state, batch, cfg, state_bytes = build(
-        size, G, S, dtype=dtype, remat=remat, params_mode=params_mode)
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)  # compile + first step
-    loss0 = float(metrics["loss"])
-    t_first = time.perf_counter() - t0
-    ts, losses = [], [loss0]
-    for _ in range(steps):
+def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None):
+    """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
+    compiled and run once, then ``steps`` timed steps of each, alternating."""
+    step, state, batches, cfg, state_bytes, lengths = build(
+        size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed)
+    first, ts, losses = {}, {k: [] for k in batches}, {k: [] for k in batches}
+    for kind, batch in batches.items():
         t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))  # synchronises
-        ts.append(time.perf_counter() - t0)
-    t = float(np.median(ts))
-    fl = flops_per_token(cfg, S)
-    tgs = S / t / G
+        state, metrics = step(state, batch)  # compile + first step
+        losses[kind].append(float(metrics["loss"]))
+        first[kind] = time.perf_counter() - t0
+    for _ in range(steps):
+        for kind, batch in batches.items():
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            losses[kind].append(float(metrics["loss"]))  # synchronises
+            ts[kind].append(time.perf_counter() - t0)
     mem = [peak_memory_bytes(d) for d in jax.devices()[:G]]
-    row = dict(size=size, G=G, S=S, tokens_per_gpu=S // G, params_mode=params_mode,
-               remat=remat, dtype=dtype, step_s=t, first_step_s=t_first, tgs=tgs,
-               flops_per_token=fl["total"], attention_flops_share=fl["attention"] / fl["total"],
-               n_matmul_params=fl["n_matmul"], losses=losses,
-               state_gib_per_device=state_bytes / 2 ** 30,
-               peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
-                         if any(m is not None for m in mem) else None))
-    if peak:
-        row["mfu"] = tgs * fl["total"] / peak
-    if rate:
-        row["mfu_vs_matmul"] = tgs * fl["total"] / rate
-    print(f"{size:4s} G={G} S={S:7d} {params_mode:10s} step {t:8.3f} s  TGS {tgs:9.1f}  "
-          + (f"MFU {100 * row['mfu']:5.1f}%  " if peak else "")
-          + (f"(of measured matmul {100 * row['mfu_vs_matmul']:5.1f}%)  " if rate else "")
-          + f"state {row['state_gib_per_device']:.2f} GiB/dev  peak "
-          + (f"{row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else "n/a")
-          + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
-    return row
+    rows = []
+    for kind in batches:
+        t = float(np.median(ts[kind]))
+        fl = flops_per_token(cfg, S, documents=lengths if kind == "packed" else None)
+        tgs = S / t / G
+        row = dict(size=size, G=G, S=S, tokens_per_gpu=S // G, params_mode=params_mode,
+                   remat=remat, dtype=dtype, batch=kind, step_s=t, step_times_s=ts[kind],
+                   first_step_s=first[kind], tgs=tgs, flops_per_token=fl["total"],
+                   attention_flops_share=fl["attention"] / fl["total"],
+                   n_matmul_params=fl["n_matmul"], losses=losses[kind],
+                   state_gib_per_device=state_bytes / 2 ** 30,
+                   peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
+                             if any(m is not None for m in mem) else None))
+        if kind == "packed":
+            row.update(documents=int(len(lengths)), median_document=packed,
+                       document_lengths=[int(n) for n in lengths],
+                       within_document_pairs=float((lengths.astype(np.float64) ** 2).sum()
+                                                   / float(S) ** 2))
+        if peak:
+            row["mfu"] = tgs * fl["total"] / peak
+        if rate:
+            row["mfu_vs_matmul"] = tgs * fl["total"] / rate
+        label = "" if packed is None else f"{kind:8s} "
+        print(f"{size:4s} G={G} S={S:7d} {params_mode:10s} {label}step {t:8.3f} s  "
+              f"TGS {tgs:9.1f}  "
+              + (f"MFU {100 * row['mfu']:5.1f}%  " if peak else "")
+              + (f"(of measured matmul {100 * row['mfu_vs_matmul']:5.1f}%)  " if rate else "")
+              + f"attention {100 * row['attention_flops_share']:4.1f}% of FLOPs  "
+              + f"state {row['state_gib_per_device']:.2f} GiB/dev  peak "
+              + (f"{row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else "n/a")
+              + f"  loss {losses[kind][0]:.3f} -> {losses[kind][-1]:.3f}", flush=True)
+        if kind == "packed":
+            print(f"     packed: {len(lengths)} documents (median {np.median(lengths):.0f}, "
+                  f"longest {lengths.max()}); within-document pairs "
+                  f"{100 * row['within_document_pairs']:.1f}% of the causal S^2/2",
+                  flush=True)
+        rows.append(row)
+    return rows
 
 
 def table(rows):
-    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'params':10s} {'step s':>8s} {'TGS':>9s} "
-          f"{'MFU%':>6s} {'peak GiB':>8s}")
+    kinds = any(r.get("batch") == "packed" for r in rows)
+    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'params':10s} "
+          + (f"{'batch':8s} " if kinds else "")
+          + f"{'step s':>8s} {'TGS':>9s} {'MFU%':>6s} {'peak GiB':>8s}")
     for r in rows:
-        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['params_mode']:10s} {r['step_s']:8.3f} "
-              f"{r['tgs']:9.1f} {100 * r.get('mfu', float('nan')):6.1f} "
+        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['params_mode']:10s} "
+              + (f"{r['batch']:8s} " if kinds else "")
+              + f"{r['step_s']:8.3f} {r['tgs']:9.1f} {100 * r.get('mfu', float('nan')):6.1f} "
               f"{r['peak_gib'] if r['peak_gib'] is not None else float('nan'):8.1f}")
 
 
@@ -166,7 +250,13 @@ def main(argv=None):
     p.add_argument("--params", default="fsdp", choices=("fsdp", "replicated"))
     p.add_argument("--remat", default=None)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
+                   help="also time a packed step: documents with log-normal lengths of this "
+                        "median, segment ids and per-document positions, alternating with "
+                        "the unpacked step on the same tokens (module docstring)")
     args = p.parse_args(argv)
+    if args.packed is not None and args.packed < 1:
+        p.error(f"--packed={args.packed} must be a positive median document length")
     name = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
     cfg = dict(PRESETS[name])
     if args.sizes:
@@ -189,15 +279,17 @@ def main(argv=None):
     print(f"# {info}\n# preset {name}: {cfg}"
           + (f"\n# bf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s" if rate else ""), flush=True)
     result = dict(env=info, preset=name, config=cfg, matmul_flops=rate, rows=[])
-    path = os.path.join(out_dir(), f"train_mfu_{name}.json")
+    cfg["packed"] = args.packed
+    path = os.path.join(out_dir(), f"train_mfu_{name}"
+                        + (f"_packed{args.packed}" if args.packed else "") + ".json")
     plan = [(size, G, S) for size in cfg["sizes"] for G in counts
             for S in ([int(x) for x in args.seq.split(",")] if args.seq
                       else [t * G for t in cfg["tokens_per_gpu"]])]
     for size, G, S in plan:
         try:
-            result["rows"].append(measure(size, G, S, dtype=cfg["dtype"], remat=cfg["remat"],
+            result["rows"].extend(measure(size, G, S, dtype=cfg["dtype"], remat=cfg["remat"],
                                           params_mode=args.params, steps=cfg["steps"],
-                                          peak=cfg["peak"], rate=rate))
+                                          peak=cfg["peak"], rate=rate, packed=args.packed))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S}: FAILED {msg}", flush=True)

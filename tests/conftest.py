@@ -68,6 +68,7 @@ GROUPS = {
     "test_remat.py": "remat",
     "test_llama.py": "llama",
     "test_generate.py": "generate",
+    "test_packed_training.py": "packed_training",
     # one reference training run (module fixture) and a compilation cache for its children
     "test_training_checkpoint.py": "training_checkpoint",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
@@ -84,6 +85,8 @@ LONGEST_FIRST = (
     "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
     "test_remat.py",
     "test_llama.py",
+    "test_packed_training.py",
+    "test_finetune_example.py",
     "test_training_checkpoint.py",
     "test_readme.py",
     "test_generate.py",

@@ -94,14 +94,25 @@ def test_sharded_training_equals_replicated():
 
 
 def test_train_mfu_cpu_preset(capsys):
-    """``benchmarks/train_mfu.py --preset cpu`` runs and prints its table."""
+    """``benchmarks/train_mfu.py --preset cpu --packed 64`` runs a packed and an unpacked
+    step on the same tokens and prints both; packed FLOPs count within-document pairs."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import train_mfu
 
-    fl = train_mfu.flops_per_token(LlamaConfig(vocab_size=10, d_model=8, num_layers=1,
-                                               num_heads=2, num_kv_heads=1, ffn_dim=16), 4)
+    small = LlamaConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                        ffn_dim=16)
+    fl = train_mfu.flops_per_token(small, 4)
     # q (8x8) + k, v (8x4 each) + o (8x8) = 192, 3 ffn (8x16) = 384, head (8x10) = 80
     assert fl["n_matmul"] == 656 and fl["attention"] == 6 * 1 * 4 * 2 * 4
-    assert train_mfu.main(["--preset", "cpu", "--devices", "1,2", "--steps", "1"]) == 0
+    # documents of 1 and 3 tokens: (1 + 9) / 4 keys per query on average instead of 4
+    packed = train_mfu.flops_per_token(small, 4, documents=[1, 3])
+    assert packed["dense"] == fl["dense"] and packed["attention"] == 6 * 1 * 2.5 * 2 * 4
+    row = train_mfu.packed_row(512, 64, 10, seed=1)  # 9 documents
+    assert row["lengths"].sum() == 512 and len(row["lengths"]) > 3
+    starts = np.flatnonzero(np.diff(row["segment_ids"][0], prepend=0))
+    assert (row["positions"][0, starts] == 0).all() and row["positions"][0].max() > 0
+    assert train_mfu.main(["--preset", "cpu", "--devices", "2", "--steps", "1",
+                           "--packed", "64"]) == 0
     out = capsys.readouterr().out
-    assert "tiny  2      512 fsdp" in out
+    assert "tiny  2      512 fsdp       packed" in out
+    assert "tiny  2      512 fsdp       unpacked" in out
