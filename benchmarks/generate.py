@@ -53,7 +53,7 @@ def hbm_rates(gib=4):
     """Measured HBM rates (bytes/s): a large read (``sum`` of a bf16 array) and a copy
     (``x + 1``, bytes read plus written).  The floor uses the larger: the best rate this
     device showed for moving bytes."""
-    n = gib * (1 << 30) // 2
+    n = int(gib * (1 << 30)) // 2
     x = jnp.ones((n // 8192, 8192), jnp.bfloat16)
     rates = {}
     for name, f, nbytes in (("read_sum", lambda x: jnp.sum(x, dtype=jnp.float32), 2 * n),
@@ -232,7 +232,7 @@ def main(argv=None):
     a.strategies = ([x for x in a.strategies.split(",") if x] if a.strategies is not None
                     else (["ring", "allgather"] if G > 1 else []))
     t_start = time.perf_counter()
-    rates = hbm_rates(1 if a.dry_run else 4)
+    rates = hbm_rates(4 if jax.default_backend() == "gpu" else 1 / 16)
     rate = max(rates.values())
     print(f"{G} x {jax.devices()[0].device_kind}, JAX {jax.__version__}; HBM: "
           + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items()), flush=True)
