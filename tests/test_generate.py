@@ -108,11 +108,14 @@ def test_ring_and_allgather_decoding_give_the_same_tokens_with_their_own_traffic
     G, B = 4, 3
     tree = generate(model, params, toks, max_new_tokens=4, prompt_lengths=LENGTHS,
                     mesh=mesh(G))
+    tree_gen = generator_for(model, (B, 40), 4, mesh=mesh(G),    # generate's own: compiled
+                             max_prompt_len=int(LENGTHS.max()))
+    p = tree_gen.replicate(params)
     for strategy, kind in (("ring", "collective-permute"), ("allgather", "all-gather")):
         gen = generator_for(model, (B, 40), 4, mesh=mesh(G), decode_strategy=strategy,
                             max_prompt_len=int(LENGTHS.max()))
-        p = gen.replicate(params)
-        logits, cache = gen.prefill(p, toks, jnp.asarray(LENGTHS))
+        assert gen.plan == tree_gen.plan
+        logits, cache = tree_gen.prefill(p, toks, jnp.asarray(LENGTHS))
         cache_copy = jax.tree.map(jnp.copy, cache)
         out, _ = gen.decode()(p, logits, jnp.asarray(LENGTHS), cache, jax.random.key(0))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(tree), strategy)
