@@ -20,12 +20,12 @@ from jax_seqpar.models.hf import save_pretrained  # noqa: E402
 def test_generate_benchmark_tiny(tmp_path, monkeypatch):
     import generate as bench
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert bench.main(["--configs", "tiny:64:2", "--devices", "2", "--new-tokens", "3",
+    assert bench.main(["--configs", "tiny:32:2", "--devices", "1", "--new-tokens", "3",
                        "--repeats", "1", "--strategies", "", "--no-baseline", "--name", "g"]) == 0
     row = json.load(open(tmp_path / "g.json"))["rows"][0]
     assert "error" not in row, row
     assert row["decode_ms_per_token"] > 0 and row["fraction_of_floor"] > 0
-    assert row["cache_len"] % 2 == 0 and row["prefill_passes"] == 1
+    assert row["cache_len"] >= 34 and row["prefill_passes"] == 1
 
 
 def test_needle_benchmark_on_an_exported_recall_model(tmp_path, monkeypatch):
