@@ -203,6 +203,22 @@ def test_tile_lists_match_brute_force(kind, mask):
         assert len(listed) == count, "a tile is listed twice"
 
 
+def test_compact_tiles_is_a_stable_partition():
+    """The lists' order without a sort equals a stable argsort by (full, partial,
+    invisible), zeros past the visible count."""
+    from jax_seqpar.kernels.pallas_common import compact_tiles
+    rng = np.random.default_rng(0)
+    vis = rng.random((3, 9, 17)) < 0.5
+    full = vis & (rng.random(vis.shape) < 0.5)
+    order, count, n_full = (np.asarray(x) for x in compact_tiles(jnp.asarray(vis),
+                                                                jnp.asarray(full)))
+    want = np.argsort(np.where(full, 0, np.where(vis, 1, 2)), axis=-1, kind="stable")
+    want = np.where(np.arange(17) < vis.sum(-1)[..., None], want, 0)
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(count, vis.sum(-1))
+    np.testing.assert_array_equal(n_full, full.sum(-1))
+
+
 def _padded_blocks(x, b):
     L = -(-len(x) // b) * b
     return np.concatenate([x, np.full(L - len(x), x[-1])]).astype(np.int32)

@@ -198,13 +198,34 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     full = full & whole[None, None, :] & vis
     if transpose:
         vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
-    n_cols = vis.shape[2]
-    rank = jnp.where(full, 0, jnp.where(vis, 1, 2))  # full, then partial, then invisible
-    order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-    count = vis.sum(-1, dtype=jnp.int32)[..., None]
-    n_full = full.sum(-1, dtype=jnp.int32)[..., None]
-    order = jnp.where(jnp.arange(n_cols) < count, order, 0)
-    return jnp.concatenate([count, n_full, order], axis=-1)
+    order, count, n_full = compact_tiles(vis, full)
+    return jnp.concatenate([count[..., None], n_full[..., None], order], axis=-1)
+
+
+def compact_tiles(vis, full):
+    """The column indices of each row, fully visible ones first, then the other visible
+    ones, each group in increasing order, then zeros: ``(order [..., n], count, n_full)``.
+
+    A stable partition by prefix sums and one scatter with unique targets (invisible
+    columns are dropped), linear in the columns, not a sort: on one H200 the three lists
+    of a packed fwd+bwd at 64k tokens took 0.46 ms this way and 0.65 ms sorted (at 16k
+    0.27 and 0.24 ms; RESULTS.md, "Packed documents, second pass").
+    """
+    full = full & vis
+    part = vis & ~full
+    n_full = full.sum(-1, dtype=jnp.int32)
+    count = vis.sum(-1, dtype=jnp.int32)
+    n_cols = vis.shape[-1]
+    dest = jnp.where(full, jnp.cumsum(full, -1, dtype=jnp.int32) - 1,
+                     jnp.where(part, n_full[..., None] + jnp.cumsum(part, -1, dtype=jnp.int32)
+                               - 1, n_cols))  # n_cols: out of bounds, dropped
+    rows = vis.shape[:-1]
+    flat = dest.reshape(-1, n_cols)
+    cols = jnp.broadcast_to(jnp.arange(n_cols, dtype=jnp.int32), flat.shape)
+    r = jnp.broadcast_to(jnp.arange(flat.shape[0], dtype=jnp.int32)[:, None], flat.shape)
+    order = jnp.zeros(flat.shape, jnp.int32).at[r, flat].set(cols, mode="drop",
+                                                             unique_indices=True)
+    return order.reshape(*rows, n_cols), count, n_full
 
 
 def segment_lists_args(q_seg, kv_seg, skip: bool):
