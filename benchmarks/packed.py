@@ -19,7 +19,9 @@ failures, and each starts only while the time budget allows):
   bf16, B = 1, documents of log-normal lengths around 1k / 4k / 16k tokens (sigma 0.6),
   through ``jax_seqpar.attention`` on a one-device mesh: unpacked (no segment ids;
   ``auto`` = cuDNN) and cuDNN called directly on the whole sequence, against packed with
-  ``kernel="auto"``, ``"pallas"`` and, at 16k/64k, ``pallas_mgpu`` without the skipping
+  ``kernel="auto"``, ``"pallas"``, the Hopper kernel with its other dQ path (the
+  split atomic dQ at D = 128) and, at 16k/64k, ``pallas_mgpu`` without
+  the skipping
   (``MgpuConfig(segment_skip=False)``: the state before).  Timed in alternating rounds
   (every function once per round, in a shifting order); medians and the median of the
   per-round ratios.  Useful TFLOP/s count the within-document causal FLOPs,
@@ -28,7 +30,8 @@ failures, and each starts only while the time budget allows):
   ``useful / cuDNN`` is the issue's bar (>= 70% at 64k, >= 60% at 16k).
 * ``train``: one AdamW step of the 1B Llama shape at 64k tokens on one GPU, packed
   (documents around 4k) against unpacked (the issue's bar: packed faster, by a factor).
-* ``bench_large``: the timing at 128k (last: "if time allows").
+* ``bench_large``: the timing at 128k (last: "if time allows"), after a check of the
+  packed call's gradients there against cuDNN called once per document (documents ~4k).
 
 ``--quick`` checks D 128 only (both Hopper dQ paths, the API on one layout), times 16k
 and 64k in 3 rounds without the no-skip baseline; ``--budget-s`` (300) stops starting
@@ -249,11 +252,18 @@ def run_check(args, on_gpu):
 
 
 def _mgpu_variants(D):
+    """The Hopper kernel's default, its other dQ path (the split atomic dQ at D = 128,
+    two kernels at D = 64 whose default is atomic), and the default without the skipping
+    (the state before issue 27)."""
     cfg = DEFAULT_MGPU_CONFIGS[D]
-    other = dataclasses.replace(cfg, atomic_dq=not cfg.atomic_dq, split_dq=False)
+    if cfg.atomic_dq:
+        name, other = "two_kernel_dq", dataclasses.replace(cfg, atomic_dq=False,
+                                                           split_dq=False)
+    else:
+        name, other = "split_dq", dataclasses.replace(cfg, atomic_dq=True,
+                                                      split_dq=D >= 128)
     return {"pallas_mgpu": PallasMgpuKernel(),
-            "pallas_mgpu_" + ("atomic_dq" if other.atomic_dq else "two_kernel_dq"):
-                PallasMgpuKernel(config=other),
+            "pallas_mgpu_" + name: PallasMgpuKernel(config=other),
             "pallas_mgpu_no_skip": PallasMgpuKernel(
                 config=dataclasses.replace(cfg, segment_skip=False))}
 
@@ -355,10 +365,16 @@ def run_bench(args, on_gpu, sizes):
         fns["packed pallas"] = (_attn_fns(mesh, "pallas" if on_gpu else PallasKernel(
             config=PallasConfig(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)),
             True), True)
+        if hopper and not args.quick:  # the packed default's other dQ path
+            name, kern = list(_mgpu_variants(D).items())[1]
+            fns["packed mgpu " + name[len("pallas_mgpu_"):].replace("_", " ")] = (
+                _attn_fns(mesh, kern, True), True)
         if hopper and S <= 65536 and not args.quick:
             fns["packed mgpu no skip"] = (
                 _attn_fns(mesh, _mgpu_variants(D)["pallas_mgpu_no_skip"], True), True)
         q, k, v, do = _inputs(S, 1, S, S, H, H, D)
+        if on_gpu and S >= 131072 and elapsed() < args.budget_s:
+            rows.append(large_check(fns["packed auto"][0], q, k, v, do, S))
         for mean in means:
             if elapsed() > args.budget_s:
                 print(f"bench S={S} docs~{mean}: skipped (time budget)", flush=True)
@@ -408,6 +424,48 @@ def run_bench(args, on_gpu, sizes):
                          if "useful_vs_cudnn_rate" in row else ""), flush=True)
         del q, k, v, do
     return rows
+
+
+def per_document_grads(q, k, v, do, seg):
+    """``(dq, dk, dv)`` float32 by cuDNN unpacked, one causal call per document (each
+    zero-padded to a multiple of 2048 at its end -- few distinct shapes to compile; later
+    keys are invisible to earlier queries under the causal mask and padded queries carry
+    ``do = 0``, so the document's gradients are exact): a reference that shares no code
+    with the packed paths."""
+    s = np.asarray(seg[0])
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    ends = np.r_[starts[1:], len(s)]
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    fb = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    outs = ([], [], [])
+    for a, b in zip(starts, ends):
+        pad = -(b - a) % 2048
+        parts = [jnp.pad(x[:, a:b], ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, do)]
+        for acc, g in zip(outs, fb(*parts)):
+            acc.append(np.asarray(g[:, :b - a], np.float32))
+    return [np.concatenate(o, axis=1) for o in outs]
+
+
+def large_check(fn, q, k, v, do, S):
+    """Gradients of the packed call at a long sequence (documents ~4k) against
+    ``per_document_grads`` (relative errors, the bf16 budget)."""
+    seg = jnp.asarray(packed_ids(lognormal_lengths(4096, S, seed=S + 4096), S)[None])
+    t0 = time.perf_counter()
+    try:
+        ref = per_document_grads(q, k, v, do, seg)
+        got = fn(q, k, v, do, seg)
+        err = {n: _rel(g, r) for n, g, r in zip(("dq", "dk", "dv"), got, ref)}
+        row = dict(what="packed auto vs per-document cuDNN", case=f"S={S} docs~4096", D=q.shape[-1],
+                   err=err, worst=max(err.values()), ok=max(err.values()) <= BUDGET,
+                   seconds=time.perf_counter() - t0)
+    except Exception as e:
+        row = dict(what="packed auto vs per-document cuDNN", case=f"S={S}", D=q.shape[-1],
+                   ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    print(f"large check S={S}: {'PASS' if row['ok'] else 'FAIL'} "
+          f"{row.get('err', row.get('error'))}", flush=True)
+    return row
 
 
 # --------------------------------------------------------------------------- layout
@@ -576,7 +634,10 @@ def main(argv=None):
             traceback.print_exc(limit=5)
             result[ph + "_error"] = f"{type(e).__name__}: {e}"[:500]
         save_json(result, path)
-    result["bench"] = result.get("bench", []) + result.pop("bench_large", [])
+    bench = result.get("bench", []) + result.pop("bench_large", [])
+    # large_check's rows (run inside the timing phase, on its inputs) are checks
+    result["check"] = result.get("check", []) + [r for r in bench if "what" in r]
+    result["bench"] = [r for r in bench if "what" not in r]
     result["seconds"] = elapsed()
     save_json(result, path)
     print(f"\nJSON: {path} ({elapsed():.0f} s)")

@@ -1,0 +1,157 @@
+"""Where a packed causal fwd+bwd spends its time (issue 27), one H200: 64k and 16k tokens
+in documents ~4k, H = 16, D = 128, bf16, through ``jax_seqpar.attention`` on a one-device
+mesh against the Hopper kernel's forward and backward called alone, the tile lists
+alone, and Hopper-kernel configurations (dQ paths, tile sizes), alternating rounds.
+Two runs: results/packed_breakdown_h200.json (the first) and packed_breakdown_2_h200.json
+(9 rounds; there "api fwd+bwd" ran the split atomic dQ, the same configuration as
+"split_dq": the 8% between those two rows is this measurement's noise).
+
+    python benchmarks/packed_breakdown.py      # one H200, ~2 minutes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import traceback
+
+import _setup  # noqa: F401
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_seqpar as jsp
+from jax_seqpar.kernels import PallasMgpuKernel
+from jax_seqpar.kernels.pallas_common import segment_lists_args, tile_lists
+from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
+from jax_seqpar.masks import MaskSpec
+from packed import lognormal_lengths, packed_ids, useful_pairs
+
+OUT = os.environ.get("OUT", "/tmp")
+res = {"jax": jax.__version__, "device": str(jax.devices()[0]), "rows": [], "notes": []}
+H, D = 16, 128
+SCALE = D ** -0.5
+MASK = MaskSpec(causal=True)
+
+
+def note(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    res["notes"].append(s)
+
+
+def inputs(S):
+    ks = jax.random.split(jax.random.PRNGKey(S), 4)
+    q, k, v, do = (jax.random.normal(kk, (1, S, H, D), jnp.bfloat16) for kk in ks)
+    lens = lognormal_lengths(4096, S, seed=S + 4096)
+    seg = jnp.asarray(packed_ids(lens, S)[None])
+    return q, k, v, do, seg
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def timed(fns, args, rounds=9):
+    names = list(fns)
+    ts = {n: [] for n in names}
+    for n in names:
+        jax.block_until_ready(fns[n](*args))
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[n](*args))
+            ts[n].append(time.perf_counter() - t0)
+    return {n: 1e3 * float(np.median(t)) for n, t in ts.items()}
+
+
+def breakdown(S):
+    q, k, v, do, seg = inputs(S)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    useful = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg[0]))
+    mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
+    kern = PallasMgpuKernel()
+    o, lse = jax.jit(lambda q, k, v, s: kern.fwd(q, k, v, pos, pos, MASK, SCALE, s, s))(
+        q, k, v, seg)
+
+    def api(kernel):
+        def f(q, k, v, s):
+            return jsp.attention(q, k, v, mesh=mesh, causal=True, segment_ids=s, kernel=kernel)
+        return f
+
+    def cudnn_full(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    fns = {
+        "cudnn unpacked fwd+bwd": jax.jit(lambda q, k, v, do, s: jax.vjp(cudnn_full, q, k, v)[1](do)),
+        "api fwd+bwd": jax.jit(lambda q, k, v, do, s: jax.vjp(lambda *a: api("auto")(*a, s),
+                                                              q, k, v)[1](do)),
+        "api fwd": jax.jit(lambda q, k, v, do, s: api("auto")(q, k, v, s)),
+        "kernel fwd": jax.jit(lambda q, k, v, do, s: kern.fwd(q, k, v, pos, pos, MASK, SCALE,
+                                                              s, s)),
+        "kernel bwd": jax.jit(lambda q, k, v, do, s: kern.bwd(q, k, v, o, lse, do, pos, pos,
+                                                              MASK, SCALE, s, s)),
+    }
+    cfg = DEFAULT_MGPU_CONFIGS[D]
+
+    def lists(s):
+        sp = segment_lists_args(s, s, True)
+        pb = jnp.broadcast_to(pos, (1, S))
+        a = tile_lists(MASK, pb, pos, S, 2 * cfg.block_q, cfg.block_kv, True, **sp)
+        b = tile_lists(MASK, pb, pos, S, cfg.block_q_bwd, 2 * cfg.block_kv_bwd, True,
+                       transpose=True, **sp)
+        c = tile_lists(MASK, pb, pos, S, 2 * cfg.block_q_bwd, cfg.block_kv_dq, True, **sp)
+        return a, b, c
+    fns["tile lists x3"] = jax.jit(lambda q, k, v, do, s: lists(s))
+    variants = {
+        "two_kernel_dq": cfg,
+        "split_dq": dataclasses.replace(cfg, atomic_dq=True, split_dq=True),
+        "dq_kv64": dataclasses.replace(cfg, block_kv_dq=64),
+        "fwd_kv64_s4": dataclasses.replace(cfg, block_kv=64, num_stages=4),
+        "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
+                                                   num_stages=4),
+    }
+    for name, c in variants.items():
+        kv = PallasMgpuKernel(config=c)
+        fns[f"api fwd+bwd {name}"] = jax.jit(
+            lambda q, k, v, do, s, kv=kv: jax.vjp(lambda *a: api(kv)(*a, s), q, k, v)[1](do))
+    ok = {}
+    for n, fn in fns.items():
+        try:
+            jax.block_until_ready(fn(q, k, v, do, seg))
+            ok[n] = fn
+        except Exception as e:
+            note(f"S={S} {n} FAILED {type(e).__name__}: {str(e)[:300]}")
+    ms = timed(ok, (q, k, v, do, seg))
+    base = ms.get("cudnn unpacked fwd+bwd")
+    for n, t in ms.items():
+        row = dict(S=S, name=n, ms=t)
+        if n.startswith("api fwd+bwd") and base:
+            row["useful_vs_cudnn"] = (useful / t) / (3.5 * 2 * H * D * float(S) ** 2 / base)
+        res["rows"].append(row)
+        note(f"S={S} {n:28s} {t:8.3f} ms" + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
+                                            if "useful_vs_cudnn" in row else ""))
+    # check the variants' gradients against the default
+    g0 = ok["api fwd+bwd"](q, k, v, do, seg)
+    for n in ok:
+        if n.startswith("api fwd+bwd "):
+            g = ok[n](q, k, v, do, seg)
+            note(f"  {n}: rel err vs default dq {rel(g[0], g0[0]):.2e} dk {rel(g[1], g0[1]):.2e}"
+                 f" dv {rel(g[2], g0[2]):.2e}")
+
+
+def main():
+    for S in (65536, 16384):
+        try:
+            breakdown(S)
+        except Exception:
+            traceback.print_exc()
+    with open(os.path.join(OUT, "packed_breakdown.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
