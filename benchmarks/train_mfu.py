@@ -31,10 +31,24 @@ matmul term is the same.  Packed MFU is thus useful work only: the attention ker
 still visit the cross-document tiles that the mask empties (skipping them is the
 document-aware attention issue), so packed MFU below unpacked MFU is that waste.
 
+**Memory and remat switches** (issue 30): ``--remat`` takes one or more entries,
+comma-separated, each a ``jax_seqpar.remat.REMAT_MODES`` name, ``+offload`` appended to
+move what that policy saves (and each block's input) to host memory until the backward
+(``LlamaConfig.remat_offload``); every entry is one row.  ``--memory-account`` prints,
+per row, what the state, the gradients and the saved residuals take (counted from the
+shapes) next to XLA's own account of the compiled step (``memory_analysis()``: arguments,
+outputs, aliased, temporaries; one extra compilation) and the measured peak.
+``--profile DIR`` traces one more step per row (``_profile.py``: kernel time by
+category, GPU idle time).  Host memory: the process's peak RSS.  The GPU memory pool is
+95% of the device (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default is 75%) unless the
+environment says otherwise.
+
     python benchmarks/train_mfu.py --preset cpu          # tiny model, 8 simulated devices
     python benchmarks/train_mfu.py --preset gpu --sizes 1b --devices 1,2,4 --tokens-per-gpu 32768
     python benchmarks/train_mfu.py --preset gpu --sizes 1b --devices 1 --tokens-per-gpu 65536 \
         --packed 4096                                    # packed vs unpacked, one run
+    python benchmarks/train_mfu.py --preset gpu --sizes 7b --devices 1 --tokens-per-gpu 32768 \
+        --remat attention,attention_mlp,attention_mlp+offload --memory-account
 """
 
 from __future__ import annotations
@@ -43,10 +57,15 @@ import argparse
 import dataclasses
 import math
 import os
+import resource
 import sys
 import time
 
 import _setup  # noqa: F401,E402
+
+# JAX's GPU client takes 75% of the device's memory unless told otherwise; the 7B rows
+# need more (issue 30: the 75% pool is where "out of memory at 64k" came from).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -56,6 +75,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from jax_seqpar.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
+from jax_seqpar.remat import REMAT_MODES  # noqa: E402
 from jax_seqpar.training import (abstract_train_state, init_train_state,  # noqa: E402
                                  make_train_step, shardings_of)
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
@@ -146,7 +166,9 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     positions of ``packed_row``, whose document ``lengths`` are returned (else None)."""
     devs = jax.devices()[:G]
     mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
-    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=remat)
+    mode, offload = parse_remat(remat)
+    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=mode,
+                      remat_offload=offload)
     model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
     seq = NamedSharding(mesh, P(None, "sp"))
     lengths = None
@@ -164,16 +186,106 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     abstract = abstract_train_state(model, opt, key, (1, S), sharding=params_mode)
     state = init_train_state(model, opt, key, (1, S), sharding=params_mode)
     step = make_train_step(model, opt, shardings=abstract)
-    state_bytes = sum(bytes_per_device(t, shardings_of(t))
-                      for t in (abstract.params, abstract.opt_state))
-    return step, state, batches, cfg, state_bytes, lengths
+    params_bytes = bytes_per_device(abstract.params, shardings_of(abstract.params))
+    state_bytes = params_bytes + bytes_per_device(abstract.opt_state,
+                                                  shardings_of(abstract.opt_state))
+    return step, state, batches, cfg, (state_bytes, params_bytes), lengths
 
 
-def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None):
+def parse_remat(entry: str):
+    """``"MODE"`` or ``"MODE+offload"`` -> ``(mode, offload)``."""
+    mode, _, extra = entry.partition("+")
+    if mode not in REMAT_MODES or extra not in ("", "offload"):
+        raise ValueError(f"--remat entry {entry!r}: expected MODE or MODE+offload with MODE "
+                         f"one of {REMAT_MODES}")
+    return mode, extra == "offload"
+
+
+def residual_bytes(cfg: LlamaConfig, tokens: int) -> dict:
+    """Bytes one device keeps per layer between the forward and the backward under
+    ``cfg.remat`` (counted from the shapes; ``tokens`` per device): the block input, the
+    attention output and lse, the MLP's gate and up projections, as the policy saves
+    them.  ``None`` for ``remat="none"`` (everything is kept)."""
+    if cfg.remat == "none":
+        return None
+    dt = jnp.dtype(cfg.dtype).itemsize
+    attn = tokens * cfg.num_heads * cfg.head_dim * dt + cfg.num_heads * tokens * 4
+    per = {"block input": tokens * cfg.d_model * dt}
+    if cfg.remat in ("attention", "attention_mlp"):
+        per["attention out + lse"] = attn
+    if cfg.remat == "seq_selective":
+        per["attention out + lse (later half)"] = attn // 2
+    if cfg.remat == "attention_mlp":
+        per["mlp gate + up"] = 2 * tokens * cfg.ffn_dim * dt
+    return per
+
+
+def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes) -> dict:
+    """The counted account (GiB per device) and XLA's account of the compiled step."""
+    gib = 2 ** 30
+    per = residual_bytes(cfg, S // G)
+    where = "host" if cfg.remat_offload else "device"
+    acc = dict(params=params_bytes / gib, optimizer_state=(state_bytes - params_bytes) / gib,
+               gradients_if_all_live=params_bytes / gib, residuals_where=where,
+               residuals_per_layer={k: v / gib for k, v in (per or {}).items()},
+               residuals=(None if per is None else cfg.num_layers * sum(per.values()) / gib))
+    try:
+        compiled = step.lower(state, batch).compile()
+        m = compiled.memory_analysis()
+        # buffers XLA placed in host memory (memory space 5 on GPUs): zero means nothing
+        # was offloaded, whatever the policy asked
+        acc["xla_host_buffers"] = compiled.as_text().count("S(5)")
+        acc["xla"] = {k: getattr(m, k) / gib for k in dir(m)
+                      if k.endswith("_in_bytes") and isinstance(getattr(m, k), int)}
+        x = acc["xla"]
+        acc["xla_device_peak_estimate"] = (x["argument_size_in_bytes"]
+                                           + x["output_size_in_bytes"]
+                                           - x["alias_size_in_bytes"]
+                                           + x["temp_size_in_bytes"])
+    except Exception as e:  # memory_analysis is best-effort per backend
+        acc["xla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return acc
+
+
+def print_account(acc: dict, peak_gib) -> None:
+    r = acc["residuals"]
+    print(f"     memory (GiB/device): params {acc['params']:.2f}, optimizer state "
+          f"{acc['optimizer_state']:.2f}, gradients (if all live) "
+          f"{acc['gradients_if_all_live']:.2f}, residuals "
+          + ("all (remat none)" if r is None else f"{r:.2f} on the {acc['residuals_where']} "
+             + "(" + ", ".join(f"{k} {v * 1024:.0f} MiB" for k, v in
+                               acc["residuals_per_layer"].items()) + " per layer)"),
+          flush=True)
+    if "xla" in acc:
+        x = acc["xla"]
+        print(f"     XLA: arguments {x['argument_size_in_bytes']:.2f}, outputs "
+              f"{x['output_size_in_bytes']:.2f}, aliased {x['alias_size_in_bytes']:.2f}, "
+              f"temporaries {x['temp_size_in_bytes']:.2f}, host temporaries "
+              f"{x.get('host_temp_size_in_bytes', 0.0):.2f}; device estimate "
+              f"{acc['xla_device_peak_estimate']:.2f} GiB"
+              + (f" vs measured peak {peak_gib:.2f} GiB" if peak_gib else "")
+              + f"; {acc.get('xla_host_buffers', 0)} host-memory buffers in the program",
+              flush=True)
+    elif "xla_error" in acc:
+        print(f"     XLA memory analysis unavailable: {acc['xla_error']}", flush=True)
+
+
+def host_peak_gib() -> float:
+    """The process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
+            account=False, profile=None):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
     compiled and run once, then ``steps`` timed steps of each, alternating."""
-    step, state, batches, cfg, state_bytes, lengths = build(
+    step, state, batches, cfg, (state_bytes, params_bytes), lengths = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed)
+    acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
+                          params_bytes) if account else None)
+    if acc is not None:  # before running: a step that runs out of memory still shows it
+        print(f"{size} G={G} S={S} remat {remat}:", flush=True)
+        print_account(acc, None)
     first, ts, losses = {}, {k: [] for k in batches}, {k: [] for k in batches}
     for kind, batch in batches.items():
         t0 = time.perf_counter()
@@ -187,6 +299,22 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
             losses[kind].append(float(metrics["loss"]))  # synchronises
             ts[kind].append(time.perf_counter() - t0)
     mem = [peak_memory_bytes(d) for d in jax.devices()[:G]]
+    prof = None
+    if profile:
+        from _profile import print_summary, profile_call
+        kind, batch = next(iter(batches.items()))
+        holder = {"state": state}
+
+        def one():
+            holder["state"], m = step(holder["state"], batch)
+            float(m["loss"])
+        try:
+            prof = profile_call(one, os.path.join(profile, f"{size}_G{G}_S{S}_{remat}"))
+            print_summary(prof, f"{size} G={G} S={S} {remat} {kind}")
+        except Exception as e:
+            prof = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(f"profile: FAILED {prof['error']}", flush=True)
+        state = holder["state"]
     rows = []
     for kind in batches:
         t = float(np.median(ts[kind]))
@@ -197,9 +325,14 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
                    first_step_s=first[kind], tgs=tgs, flops_per_token=fl["total"],
                    attention_flops_share=fl["attention"] / fl["total"],
                    n_matmul_params=fl["n_matmul"], losses=losses[kind],
-                   state_gib_per_device=state_bytes / 2 ** 30,
+                   state_gib_per_device=state_bytes / 2 ** 30, host_peak_gib=host_peak_gib(),
+                   remat_offload=cfg.remat_offload,
                    peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
                              if any(m is not None for m in mem) else None))
+        if acc is not None:
+            row["memory_account"] = acc
+        if prof is not None and kind == next(iter(batches)):
+            row["profile"] = prof
         if kind == "packed":
             row.update(documents=int(len(lengths)), median_document=packed,
                        document_lengths=[int(n) for n in lengths],
@@ -210,30 +343,34 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
         if rate:
             row["mfu_vs_matmul"] = tgs * fl["total"] / rate
         label = "" if packed is None else f"{kind:8s} "
-        print(f"{size:4s} G={G} S={S:7d} {params_mode:10s} {label}step {t:8.3f} s  "
+        print(f"{size:4s} G={G} S={S:7d} {params_mode:10s} {label}remat {remat}: step {t:8.3f} s  "
               f"TGS {tgs:9.1f}  "
               + (f"MFU {100 * row['mfu']:5.1f}%  " if peak else "")
               + (f"(of measured matmul {100 * row['mfu_vs_matmul']:5.1f}%)  " if rate else "")
               + f"attention {100 * row['attention_flops_share']:4.1f}% of FLOPs  "
               + f"state {row['state_gib_per_device']:.2f} GiB/dev  peak "
               + (f"{row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else "n/a")
+              + f"  host peak {row['host_peak_gib']:.1f} GiB"
               + f"  loss {losses[kind][0]:.3f} -> {losses[kind][-1]:.3f}", flush=True)
         if kind == "packed":
             print(f"     packed: {len(lengths)} documents (median {np.median(lengths):.0f}, "
                   f"longest {lengths.max()}); within-document pairs "
                   f"{100 * row['within_document_pairs']:.1f}% of the causal S^2/2",
                   flush=True)
+        if acc is not None and kind == next(iter(batches)) and row["peak_gib"]:
+            print(f"     measured peak {row['peak_gib']:.2f} GiB against XLA's estimate "
+                  f"{acc.get('xla_device_peak_estimate', float('nan')):.2f} GiB", flush=True)
         rows.append(row)
     return rows
 
 
 def table(rows):
     kinds = any(r.get("batch") == "packed" for r in rows)
-    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'params':10s} "
+    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'params':10s} {'remat':22s} "
           + (f"{'batch':8s} " if kinds else "")
           + f"{'step s':>8s} {'TGS':>9s} {'MFU%':>6s} {'peak GiB':>8s}")
     for r in rows:
-        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['params_mode']:10s} "
+        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['params_mode']:10s} {r['remat']:22s} "
               + (f"{r['batch']:8s} " if kinds else "")
               + f"{r['step_s']:8.3f} {r['tgs']:9.1f} {100 * r.get('mfu', float('nan')):6.1f} "
               f"{r['peak_gib'] if r['peak_gib'] is not None else float('nan'):8.1f}")
@@ -248,7 +385,15 @@ def main(argv=None):
     p.add_argument("--seq", default=None,
                    help="total sequence lengths (instead of --tokens-per-gpu), comma-separated")
     p.add_argument("--params", default="fsdp", choices=("fsdp", "replicated"))
-    p.add_argument("--remat", default=None)
+    p.add_argument("--remat", default=None,
+                   help=f"comma-separated entries, each one of {REMAT_MODES}, optionally "
+                        f"with +offload (one row per entry)")
+    p.add_argument("--memory-account", action="store_true",
+                   help="print the counted and XLA's memory account per row (compiles the "
+                        "step once more)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one more step per row into DIR and print kernel time by "
+                        "category")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
                    help="also time a packed step: documents with log-normal lengths of this "
@@ -268,9 +413,15 @@ def main(argv=None):
         cfg["devices"] = [int(x) for x in args.devices.split(",")]
     if args.tokens_per_gpu:
         cfg["tokens_per_gpu"] = [int(x) for x in args.tokens_per_gpu.split(",")]
-    for key in ("remat", "steps"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
+    if args.steps is not None:
+        cfg["steps"] = args.steps
+    remats = args.remat.split(",") if args.remat else [cfg["remat"]]
+    for entry in remats:
+        try:
+            parse_remat(entry)
+        except ValueError as e:
+            p.error(str(e))
+    cfg["remat"] = remats
     counts = [G for G in cfg["devices"] if G <= jax.device_count()]
     if not counts:
         p.error(f"--devices: none of {cfg['devices']} fits the {jax.device_count()} devices")
@@ -278,23 +429,27 @@ def main(argv=None):
     rate = matmul_rate() if jax.default_backend() == "gpu" else None
     print(f"# {info}\n# preset {name}: {cfg}"
           + (f"\n# bf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s" if rate else ""), flush=True)
-    result = dict(env=info, preset=name, config=cfg, matmul_flops=rate, rows=[])
+    result = dict(env=info, preset=name, config=cfg, matmul_flops=rate, rows=[],
+                  mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
     cfg["packed"] = args.packed
     path = os.path.join(out_dir(), f"train_mfu_{name}"
                         + (f"_packed{args.packed}" if args.packed else "") + ".json")
-    plan = [(size, G, S) for size in cfg["sizes"] for G in counts
+    plan = [(size, G, S, remat) for size in cfg["sizes"] for G in counts
             for S in ([int(x) for x in args.seq.split(",")] if args.seq
-                      else [t * G for t in cfg["tokens_per_gpu"]])]
-    for size, G, S in plan:
+                      else [t * G for t in cfg["tokens_per_gpu"]])
+            for remat in cfg["remat"]]
+    for size, G, S, remat in plan:
         try:
-            result["rows"].extend(measure(size, G, S, dtype=cfg["dtype"], remat=cfg["remat"],
+            result["rows"].extend(measure(size, G, S, dtype=cfg["dtype"], remat=remat,
                                           params_mode=args.params, steps=cfg["steps"],
-                                          peak=cfg["peak"], rate=rate, packed=args.packed))
+                                          peak=cfg["peak"], rate=rate, packed=args.packed,
+                                          account=args.memory_account,
+                                          profile=args.profile))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            print(f"{size} G={G} S={S}: FAILED {msg}", flush=True)
+            print(f"{size} G={G} S={S} remat {remat}: FAILED {msg}", flush=True)
             result["rows"].append(dict(size=size, G=G, S=S, params_mode=args.params,
-                                       error=msg))
+                                       remat=remat, error=msg))
         save_json(result, path)
     table([r for r in result["rows"] if "error" not in r])
     return 0

@@ -20,7 +20,17 @@ the output ``o`` and the row statistics ``lse``; the ring's ``custom_vjp`` tags 
   of ``o`` and ``lse``; time: a quarter of an attention forward recomputed per layer
   (zigzag or striped layout, causal mask).
 
-``policy_for(mode)`` maps the model's ``remat`` option to a policy.
+* ``"attention_mlp"`` -- the attention output and lse plus the MLP's gate and up
+  projections (``MLP_GATE``, ``MLP_UP``): the backward then recomputes only the q/k/v
+  projections (and the elementwise SwiGLU), not the two widest matmuls.  Memory per
+  layer: the layer input, ``o``, ``lse`` and two ``[S, ffn_dim]`` activations.
+
+``policy_for(mode, offload=True)``: the same names (plus each block's input,
+``BLOCK_INPUT``) are **offloaded** to host memory (JAX memory kinds: ``pinned_host``)
+in the forward and brought back in the backward, instead of kept on the device
+(``jax.checkpoint_policies.save_and_offload_only_these_names``); what the policy does
+not name is recomputed as before.  ``policy_for(mode)`` maps the model's ``remat``
+option to a policy.
 """
 
 from __future__ import annotations
@@ -39,14 +49,26 @@ from jax_seqpar.parallel.common import ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE,
 from jax_seqpar.parallel.selective import (ATTN_LSE_LATE, ATTN_OUT_LATE, EARLY_SCOPE,
                                            LATE_SCOPE)
 
-__all__ = ["ATTN_OUT", "ATTN_LSE", "ATTN_OUT_LATE", "ATTN_LSE_LATE", "REMAT_MODES",
+__all__ = ["ATTN_OUT", "ATTN_LSE", "ATTN_OUT_LATE", "ATTN_LSE_LATE", "BLOCK_INPUT",
+           "MLP_GATE", "MLP_UP", "REMAT_MODES",
            "remat_aware_policy", "seq_selective_policy", "policy_for",
            "seq_selective_attention", "ring_transfer_counts"]
 
 #: ``"none"``: no rematerialisation; ``"full"``: save only each layer's input (the usual
 #: per-layer checkpointing, which re-runs the attention forward); ``"attention"``:
-#: ``remat_aware_policy``; ``"seq_selective"``: ``seq_selective_policy``.
-REMAT_MODES = ("none", "full", "attention", "seq_selective")
+#: ``remat_aware_policy``; ``"seq_selective"``: ``seq_selective_policy``;
+#: ``"attention_mlp"``: ``"attention"`` and the MLP's gate and up projections.
+REMAT_MODES = ("none", "full", "attention", "seq_selective", "attention_mlp")
+
+#: Names the model's blocks give their input and the SwiGLU's two projections
+#: (``jax.ad_checkpoint.checkpoint_name``) so that policies can save or offload them.
+BLOCK_INPUT = "block_input"
+MLP_GATE = "mlp_gate"
+MLP_UP = "mlp_up"
+
+_SAVED = {"full": (), "attention": (ATTN_OUT, ATTN_LSE),
+          "seq_selective": (ATTN_OUT_LATE, ATTN_LSE_LATE),
+          "attention_mlp": (ATTN_OUT, ATTN_LSE, MLP_GATE, MLP_UP)}
 
 
 def remat_aware_policy(*extra_names: str):
@@ -60,12 +82,32 @@ def seq_selective_policy(*extra_names: str):
                                                          *extra_names)
 
 
-def policy_for(mode: str):
-    """The ``jax.checkpoint`` policy of a ``REMAT_MODES`` entry (``None`` for "none")."""
+def policy_for(mode: str, offload: bool = False):
+    """The ``jax.checkpoint`` policy of a ``REMAT_MODES`` entry (``None`` for "none").
+
+    ``offload=True``: what the mode saves, and each block's input (``BLOCK_INPUT``: the
+    model's blocks tag it, so that the backward reads the host copy rather than keeping
+    the device one alive), goes to ``pinned_host`` memory in the forward and comes back
+    in the backward; nothing else is saved.
+    """
     if mode not in REMAT_MODES:
         raise ValueError(f"unknown remat={mode!r}; choose one of {REMAT_MODES}")
-    return {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-            "attention": remat_aware_policy(), "seq_selective": seq_selective_policy()}[mode]
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload={offload!r} must be a bool")
+    if mode == "none":
+        if offload:
+            raise ValueError("offloading residuals needs a remat policy (remat='none' keeps "
+                             "every activation on the device); choose one of "
+                             f"{REMAT_MODES[1:]}")
+        return None
+    if offload:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=(BLOCK_INPUT,) + _SAVED[mode],
+            offload_src="device", offload_dst="pinned_host")
+    if mode == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_only_these_names(*_SAVED[mode])
 
 
 def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[str, ...]] = "sp",

@@ -1,5 +1,6 @@
 """Issue 18: parameters, gradients and optimizer state sharded over the devices (FSDP)."""
 
+import dataclasses
 import os
 import sys
 
@@ -114,5 +115,28 @@ def test_train_mfu_cpu_preset(capsys):
     assert train_mfu.main(["--preset", "cpu", "--devices", "2", "--steps", "1",
                            "--packed", "64"]) == 0
     out = capsys.readouterr().out
-    assert "tiny  2      512 fsdp       packed" in out
-    assert "tiny  2      512 fsdp       unpacked" in out
+    assert f"tiny  2      512 fsdp       {'attention':22s} packed" in out
+    assert f"tiny  2      512 fsdp       {'attention':22s} unpacked" in out
+
+
+def test_train_mfu_remat_switches_and_memory_account(capsys):
+    """Issue 30: ``--remat`` takes several entries (``+offload`` included), one row each,
+    and ``--memory-account`` prints the counted residuals next to XLA's account."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import train_mfu
+
+    assert train_mfu.parse_remat("attention_mlp+offload") == ("attention_mlp", True)
+    for bad in ("layer", "attention+host", "none+offload+x"):
+        with pytest.raises(ValueError, match="--remat entry"):
+            train_mfu.parse_remat(bad)
+    cfg = LlamaConfig(vocab_size=10, d_model=8, num_layers=3, num_heads=2, num_kv_heads=1,
+                      ffn_dim=16, remat="attention_mlp", dtype="bfloat16")
+    per = train_mfu.residual_bytes(cfg, 4)
+    # block input 4x8 bf16; attention out 4x(2x4) bf16 + lse 2x4 float32; gate + up 2x4x16
+    assert per == {"block input": 64, "attention out + lse": 64 + 32, "mlp gate + up": 256}
+    assert train_mfu.residual_bytes(dataclasses.replace(cfg, remat="none"), 4) is None
+    assert train_mfu.main(["--preset", "cpu", "--devices", "1", "--steps", "1", "--remat",
+                           "attention_mlp,full+offload", "--memory-account"]) == 0
+    out = capsys.readouterr().out
+    assert "remat attention_mlp: step" in out and "remat full+offload: step" in out
+    assert "on the host (block input" in out and "XLA: arguments" in out

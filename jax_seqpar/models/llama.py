@@ -21,7 +21,9 @@ whether it stays the default where it would be slower than the plain logits.
 
 ``config.remat`` checkpoints every block (``jax_seqpar.remat``): ``"full"`` keeps the
 block inputs only, ``"attention"`` also keeps the attention output and lse (DistFlashAttn
-§3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2).
+§3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2),
+``"attention_mlp"`` also the MLP's gate and up projections; ``config.remat_offload``
+moves what the policy keeps (and each block's input) to host memory until the backward.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_seqpar.layers.core import SeqParallelOptions
 from jax_seqpar.layers.linen import SeqParallelAttention
 from jax_seqpar.layers.rope import RopeScaling, apply_rope, as_rope_scaling
 from jax_seqpar.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
-from jax_seqpar.remat import REMAT_MODES, policy_for
+from jax_seqpar.remat import BLOCK_INPUT, MLP_GATE, MLP_UP, REMAT_MODES, policy_for
 
 F32 = jnp.float32
 
@@ -82,6 +85,7 @@ class LlamaConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    remat_offload: bool = False
     fused_loss: bool = True
     loss_block_s: Optional[int] = None
     loss_block_v: Optional[int] = None
@@ -123,6 +127,11 @@ class LlamaConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype name") from None
         if self.remat not in REMAT_MODES:
             raise ValueError(f"unknown remat={self.remat!r}; choose one of {REMAT_MODES}")
+        if not isinstance(self.remat_offload, bool):
+            raise TypeError(f"remat_offload={self.remat_offload!r} must be a bool")
+        if self.remat_offload and self.remat == "none":
+            raise ValueError("remat_offload=True offloads what the remat policy saves; set "
+                             f"remat to one of {REMAT_MODES[1:]}")
         if not isinstance(self.fused_loss, bool):
             raise TypeError(f"fused_loss={self.fused_loss!r} must be a bool")
         for name in ("loss_block_s", "loss_block_v", "max_position_embeddings"):
@@ -177,8 +186,9 @@ class SwiGLU(nn.Module):
     def __call__(self, x):
         dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,  # noqa
                                          param_dtype=self.param_dtype, name=name)
-        h = nn.silu(dense(self.hidden, "gate_proj")(x)) * dense(self.hidden, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(h)
+        gate = checkpoint_name(dense(self.hidden, "gate_proj")(x), MLP_GATE)
+        up = checkpoint_name(dense(self.hidden, "up_proj")(x), MLP_UP)
+        return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):
@@ -190,6 +200,7 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids, positions):
         c, o = self.config, self.options
+        x = checkpoint_name(x, BLOCK_INPUT)  # what remat_offload moves to the host
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         attn = SeqParallelAttention(
             num_heads=c.num_heads, head_dim=c.head_dim, num_kv_heads=c.num_kv_heads,
@@ -230,7 +241,7 @@ class Llama(nn.Module):
     kernel: Any = "auto"
 
     def options(self) -> SeqParallelOptions:
-        if self.config.remat in ("attention", "seq_selective") and (
+        if self.config.remat in ("attention", "seq_selective", "attention_mlp") and (
                 self.mesh is None or self.strategy != "ring"):
             raise ValueError(f"remat={self.config.remat!r} saves the residuals that the "
                              f"ring attention tags, so it needs a mesh (one device is fine) "
@@ -280,7 +291,8 @@ class Llama(nn.Module):
         x = opts.shard(embed(tokens))
         block = LlamaBlock
         if c.remat != "none":
-            block = nn.remat(LlamaBlock, policy=policy_for(c.remat), prevent_cse=True)
+            block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),
+                             prevent_cse=True)
         for i in range(c.num_layers):
             x = block(c, opts, name=f"layer_{i}")(x, segment_ids, positions)
         x = RMSNorm(c.norm_eps, dt, pdt, name="final_norm")(x)
