@@ -30,7 +30,7 @@ from jax_seqpar.layers.rope import RopeScaling
 from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.hf import (checkpoint_tensors, load_pretrained, save_pretrained,
                                   tensor_map)
-from jax_seqpar.models.hf_config import config_from_hf
+from jax_seqpar.models.hf import config_from_hf
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 NAMES = ["llama_plain", "llama_linear", "llama_dynamic", "llama_yarn", "llama_llama3",

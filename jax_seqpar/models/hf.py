@@ -6,7 +6,7 @@ Qwen2.
     logits = jax.jit(model.apply)(params, tokens)
     save_pretrained(cfg, params, "out/")            # transformers' from_pretrained reads it
 
-``load_pretrained`` reads ``config.json`` (``hf_config.config_from_hf``: every field it
+``load_pretrained`` reads ``config.json`` (``LlamaConfig.from_hf``: every field it
 cannot map raises a ``ValueError`` naming it) and the weights from ``model.safetensors``
 or the shards listed in ``model.safetensors.index.json``.  It is **streamed**: one tensor
 at a time, each device's slice read from a memory map of that tensor alone
@@ -50,7 +50,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
-from jax_seqpar.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf
+from jax_seqpar.models.llama import LlamaConfig
 from jax_seqpar.models.safetensors_io import (TensorInfo, parse_size, plan_shards,
                                               read_header, read_slice, write_file)
 
@@ -58,6 +59,11 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PARAMS_MODES = ("fsdp", "replicated")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def config_from_hf(hf: dict, *, ignore=(), **overrides) -> LlamaConfig:
+    """``LlamaConfig.from_hf``: the config of a transformers ``config.json`` dict."""
+    return LlamaConfig.from_hf(hf, ignore=ignore, **overrides)
 
 
 class Entry(NamedTuple):

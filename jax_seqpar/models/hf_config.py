@@ -1,6 +1,8 @@
 """transformers ``config.json`` <-> ``LlamaConfig`` (Llama, Mistral, Qwen2).
 
-``config_from_hf`` reads what transformers (4.x and 5.x) writes and refuses, with a
+``config_fields_from_hf`` reads what transformers (4.x and 5.x) writes (``LlamaConfig
+.from_hf`` builds the config from its fields, so this module does not import the model
+and the model imports it) and refuses, with a
 ``ValueError`` naming the field and what is supported, every field it cannot map
 faithfully: an unknown architecture, a RoPE type other than linear / dynamic / yarn /
 llama3, partial rotary embeddings, an activation other than SiLU, per-layer sliding
@@ -158,11 +160,10 @@ def _window(hf: dict, arch: str, num_layers: int):
     return (w - 1, 0)
 
 
-def config_from_hf(hf: dict, *, ignore: Iterable[str] = (), **overrides):
-    """``LlamaConfig`` from a transformers ``config.json`` dict; ``overrides`` are
-    ``LlamaConfig`` fields set afterwards (e.g. ``dtype``, ``rope_theta``, ``remat``).
+def config_fields_from_hf(hf: dict, *, ignore: Iterable[str] = ()) -> dict:
+    """The ``LlamaConfig`` fields of a transformers ``config.json`` dict (``LlamaConfig
+    .from_hf`` builds the config from them, so this module never imports the model).
     ``ignore``: names of fields known not to change the model, accepted unread."""
-    from jax_seqpar.models.llama import LlamaConfig
     if not isinstance(hf, dict):
         raise TypeError(f"hf_config must be a dict (config.json), got {type(hf).__name__}")
     arch = _arch(hf)
@@ -190,7 +191,7 @@ def config_from_hf(hf: dict, *, ignore: Iterable[str] = (), **overrides):
     theta, scaling = _rope(hf, max_pos)
     qwen = arch == "Qwen2ForCausalLM"
     bias = bool(hf.get("attention_bias", False))
-    cfg = LlamaConfig(
+    return dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads", _DEFAULT_KV_HEADS[mtype]) or heads,
@@ -201,7 +202,6 @@ def config_from_hf(hf: dict, *, ignore: Iterable[str] = (), **overrides):
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=qwen or bias, attention_out_bias=bias,
         mlp_bias=bool(hf.get("mlp_bias", False)), max_position_embeddings=max_pos)
-    return replace(cfg, **overrides)
 
 
 def replace(cfg, **overrides):

@@ -41,6 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_seqpar.layers.core import SeqParallelOptions
 from jax_seqpar.layers.linen import SeqParallelAttention
+from jax_seqpar.models.hf_config import config_fields_from_hf, config_to_hf
+from jax_seqpar.models.hf_config import replace as replace_fields
 from jax_seqpar.layers.rope import RopeScaling, apply_rope, as_rope_scaling
 from jax_seqpar.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
@@ -145,17 +147,17 @@ class LlamaConfig:
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
 
     @classmethod
-    def from_hf(cls, hf_config, **overrides) -> "LlamaConfig":
+    def from_hf(cls, hf_config, *, ignore=(), **overrides) -> "LlamaConfig":
         """From a transformers ``config.json`` dict (Llama, Mistral, Qwen2); ``overrides``
-        replace fields afterwards.  Unsupported fields raise a ``ValueError`` naming them
-        (``models.hf.config_from_hf``)."""
-        from jax_seqpar.models.hf_config import config_from_hf
-        return config_from_hf(hf_config, **overrides)
+        replace fields afterwards (e.g. ``dtype``, ``rope_theta``, ``remat``).  Unsupported
+        fields raise a ``ValueError`` naming them (``hf_config.config_fields_from_hf``);
+        ``ignore`` names fields known not to change the model, accepted unread."""
+        return replace_fields(cls(**config_fields_from_hf(hf_config, ignore=ignore)),
+                              **overrides)
 
     def to_hf(self, architecture: Optional[str] = None) -> dict:
-        """The transformers ``config.json`` dict of this model (``models.hf.config_to_hf``):
+        """The transformers ``config.json`` dict of this model (``hf_config.config_to_hf``):
         Llama, or Mistral for a window, Qwen2 for q/k/v-only biases, or ``architecture``."""
-        from jax_seqpar.models.hf_config import config_to_hf
         return config_to_hf(self, architecture)
 
 
