@@ -38,7 +38,8 @@ move what that policy saves (and each block's input) to host memory until the ba
 per row, what the state, the gradients and the saved residuals take (counted from the
 shapes) next to XLA's own account of the compiled step (``memory_analysis()``: arguments,
 outputs, aliased, temporaries; one extra compilation) and the measured peak.
-``--profile DIR`` traces one more step per row (``_profile.py``: kernel time by
+``--opt-memory pinned_host`` keeps the AdamW state in host memory between steps
+(``abstract_train_state(opt_memory=...)``).  ``--profile DIR`` traces one more step per row (``_profile.py``: kernel time by
 category, GPU idle time).  Host memory: the process's peak RSS.  The GPU memory pool is
 95% of the device (``XLA_PYTHON_CLIENT_MEM_FRACTION``, JAX's default is 75%) unless the
 environment says otherwise.
@@ -76,8 +77,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from jax_seqpar.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.remat import REMAT_MODES  # noqa: E402
-from jax_seqpar.training import (abstract_train_state, init_train_state,  # noqa: E402
-                                 make_train_step, shardings_of)
+from jax_seqpar.training import (OPT_MEMORY, abstract_train_state,  # noqa: E402
+                                 init_train_state, make_train_step, shardings_of)
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
 
 H200_BF16_DENSE = 989e12  # spec sheet, dense bf16 FLOP/s
@@ -157,7 +158,7 @@ def matmul_rate(n=8192):
 
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
-          lr=1e-4, seed=0, packed=None):
+          lr=1e-4, seed=0, packed=None, opt_memory="device"):
     """``(step, state, batches, cfg, state_bytes, lengths)``; ``step(state, batch)`` ->
     ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
     donated and kept on the shardings of ``params_mode``, created in place by
@@ -183,8 +184,10 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
         batches = {"packed": row, "unpacked": {"tokens": row["tokens"]}}
     opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
     key = jax.random.PRNGKey(seed)
-    abstract = abstract_train_state(model, opt, key, (1, S), sharding=params_mode)
-    state = init_train_state(model, opt, key, (1, S), sharding=params_mode)
+    abstract = abstract_train_state(model, opt, key, (1, S), sharding=params_mode,
+                                    opt_memory=opt_memory)
+    state = init_train_state(model, opt, key, (1, S), sharding=params_mode,
+                             opt_memory=opt_memory)
     step = make_train_step(model, opt, shardings=abstract)
     params_bytes = bytes_per_device(abstract.params, shardings_of(abstract.params))
     state_bytes = params_bytes + bytes_per_device(abstract.opt_state,
@@ -220,12 +223,14 @@ def residual_bytes(cfg: LlamaConfig, tokens: int) -> dict:
     return per
 
 
-def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes) -> dict:
+def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes,
+                   opt_memory="device") -> dict:
     """The counted account (GiB per device) and XLA's account of the compiled step."""
     gib = 2 ** 30
     per = residual_bytes(cfg, S // G)
     where = "host" if cfg.remat_offload else "device"
     acc = dict(params=params_bytes / gib, optimizer_state=(state_bytes - params_bytes) / gib,
+               optimizer_state_where="host" if opt_memory != "device" else "device",
                gradients_if_all_live=params_bytes / gib, residuals_where=where,
                residuals_per_layer={k: v / gib for k, v in (per or {}).items()},
                residuals=(None if per is None else cfg.num_layers * sum(per.values()) / gib))
@@ -250,7 +255,8 @@ def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes) -> 
 def print_account(acc: dict, peak_gib) -> None:
     r = acc["residuals"]
     print(f"     memory (GiB/device): params {acc['params']:.2f}, optimizer state "
-          f"{acc['optimizer_state']:.2f}, gradients (if all live) "
+          f"{acc['optimizer_state']:.2f} on the {acc['optimizer_state_where']}, gradients "
+          f"(if all live) "
           f"{acc['gradients_if_all_live']:.2f}, residuals "
           + ("all (remat none)" if r is None else f"{r:.2f} on the {acc['residuals_where']} "
              + "(" + ", ".join(f"{k} {v * 1024:.0f} MiB" for k, v in
@@ -276,13 +282,14 @@ def host_peak_gib() -> float:
 
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
-            account=False, profile=None):
+            account=False, profile=None, opt_memory="device"):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
     compiled and run once, then ``steps`` timed steps of each, alternating."""
     step, state, batches, cfg, (state_bytes, params_bytes), lengths = build(
-        size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed)
+        size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed,
+        opt_memory=opt_memory)
     acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
-                          params_bytes) if account else None)
+                          params_bytes, opt_memory) if account else None)
     if acc is not None:  # before running: a step that runs out of memory still shows it
         print(f"{size} G={G} S={S} remat {remat}:", flush=True)
         print_account(acc, None)
@@ -326,7 +333,7 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
                    attention_flops_share=fl["attention"] / fl["total"],
                    n_matmul_params=fl["n_matmul"], losses=losses[kind],
                    state_gib_per_device=state_bytes / 2 ** 30, host_peak_gib=host_peak_gib(),
-                   remat_offload=cfg.remat_offload,
+                   remat_offload=cfg.remat_offload, opt_memory=opt_memory,
                    peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
                              if any(m is not None for m in mem) else None))
         if acc is not None:
@@ -388,6 +395,9 @@ def main(argv=None):
     p.add_argument("--remat", default=None,
                    help=f"comma-separated entries, each one of {REMAT_MODES}, optionally "
                         f"with +offload (one row per entry)")
+    p.add_argument("--opt-memory", default="device", choices=OPT_MEMORY,
+                   help="where the optimizer state lives between steps "
+                        "(abstract_train_state(opt_memory=...))")
     p.add_argument("--memory-account", action="store_true",
                    help="print the counted and XLA's memory account per row (compiles the "
                         "step once more)")
@@ -444,7 +454,8 @@ def main(argv=None):
                                           params_mode=args.params, steps=cfg["steps"],
                                           peak=cfg["peak"], rate=rate, packed=args.packed,
                                           account=args.memory_account,
-                                          profile=args.profile))
+                                          profile=args.profile,
+                                          opt_memory=args.opt_memory))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S} remat {remat}: FAILED {msg}", flush=True)

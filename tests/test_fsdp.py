@@ -136,7 +136,9 @@ def test_train_mfu_remat_switches_and_memory_account(capsys):
     assert per == {"block input": 64, "attention out + lse": 64 + 32, "mlp gate + up": 256}
     assert train_mfu.residual_bytes(dataclasses.replace(cfg, remat="none"), 4) is None
     assert train_mfu.main(["--preset", "cpu", "--devices", "1", "--steps", "1", "--remat",
-                           "attention_mlp,full+offload", "--memory-account"]) == 0
+                           "attention_mlp,full+offload", "--memory-account",
+                           "--opt-memory", "pinned_host"]) == 0
     out = capsys.readouterr().out
     assert "remat attention_mlp: step" in out and "remat full+offload: step" in out
     assert "on the host (block input" in out and "XLA: arguments" in out
+    assert "optimizer state 0.00 on the host" in out

@@ -323,3 +323,43 @@ def test_train_step_with_its_own_loss_gets_a_fresh_key_each_step():
     again, m1_again = step(state, batch)  # not donated: the old state is still usable
     assert float(m1_again["noise"]) == float(m1["noise"])
     assert_states_equal(w.to_host(again), w.to_host(s1), "same state, same step")
+
+
+def test_optimizer_state_in_host_memory_trains_and_checkpoints_alike(tmp_path):
+    """Issue 30: ``opt_memory="pinned_host"`` keeps the optimizer state's shards in host
+    memory between steps (the step moves it to the device for the update and back);
+    the steps give bit-identical losses and states on CPU, the state stays on the host,
+    and a checkpoint of it restores onto the same memory kind."""
+    from jax_seqpar.training import init_train_state, make_train_step, opt_state_offloaded
+
+    mesh = w.make_mesh()
+    model, optimizer, abstract, step = w.setup(mesh)
+    key = jax.random.key(w.SEED)
+    host_abstract = abstract_train_state(model, optimizer, key, (w.B, w.S), min_elements=0,
+                                         opt_memory="pinned_host")
+    assert opt_state_offloaded(host_abstract) and not opt_state_offloaded(abstract)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(host_abstract.opt_state)}
+    assert kinds == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_abstract.params)} <= \
+        {None, "device"}
+    host_step = make_train_step(model, optimizer, shardings=host_abstract)
+    a = init_train_state(model, optimizer, key, (w.B, w.S), min_elements=0)
+    b = init_train_state(model, optimizer, key, (w.B, w.S), min_elements=0,
+                         opt_memory="pinned_host")
+    data = w.SeededBatches()
+    for _ in range(2):
+        batch = next(data)
+        a, ma = step(a, batch)
+        b, mb = host_step(b, batch)
+        assert float(ma["loss"]) == float(mb["loss"])
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(b.opt_state)} == {"pinned_host"}
+    assert_states_equal(w.to_host(b), w.to_host(a), "optimizer state on the host")
+    with TrainCheckpointer(CheckpointConfig(tmp_path, save_every=1)) as ckpt:
+        ckpt.save(2, b)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore_latest(host_abstract)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.state.opt_state)} == \
+        {"pinned_host"}
+    assert_states_equal(w.to_host(restored.state), w.to_host(a), "restored")
+    with pytest.raises(ValueError, match="opt_memory='hbm' must be one of"):
+        abstract_train_state(model, optimizer, key, (w.B, w.S), opt_memory="hbm")

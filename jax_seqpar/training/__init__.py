@@ -5,8 +5,9 @@
 use of its names, so the train state and step work without it.
 """
 
-from jax_seqpar.training.state import (BATCH_KEYS, TrainState, abstract_train_state,
-                                       init_train_state, make_train_step, shardings_of)
+from jax_seqpar.training.state import (BATCH_KEYS, OPT_MEMORY, TrainState,
+                                       abstract_train_state, init_train_state,
+                                       make_train_step, opt_state_offloaded, shardings_of)
 
 _CHECKPOINT_NAMES = ("CheckpointConfig", "Restored", "TrainCheckpointer")
 
@@ -18,5 +19,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'jax_seqpar.training' has no attribute {name!r}")
 
 
-__all__ = ["BATCH_KEYS", "TrainState", "abstract_train_state", "init_train_state",
-           "make_train_step", "shardings_of", *_CHECKPOINT_NAMES]
+__all__ = ["BATCH_KEYS", "OPT_MEMORY", "TrainState", "abstract_train_state",
+           "init_train_state", "make_train_step", "opt_state_offloaded", "shardings_of",
+           *_CHECKPOINT_NAMES]

@@ -36,6 +36,10 @@ from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 #: How parameters and optimizer state are laid out over the mesh.
 SHARDING_MODES = ("fsdp", "replicated")
+#: Where the optimizer state lives between steps: ``"device"``, or ``"pinned_host"``
+#: (host memory through JAX's memory kinds; the step brings it to the device for the
+#: update and writes the new state back).
+OPT_MEMORY = ("device", "pinned_host")
 #: ``TrainState.rng`` is ``fold_in(key, RNG_STREAM)`` of the initialiser's key, which
 #: itself initialises the parameters exactly as ``model.init(key, tokens)`` would.
 RNG_STREAM = 1
@@ -90,7 +94,7 @@ def _init_fn(model, optimizer, tokens_shape):
 
 def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[Mesh] = None,
                          axis: Optional[str] = None, sharding: str = "fsdp",
-                         min_elements: int = 2 ** 14) -> TrainState:
+                         min_elements: int = 2 ** 14, opt_memory: str = "device") -> TrainState:
     """The train state as ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding``s.
 
     Nothing is computed or allocated (``jax.eval_shape``).  This is what
@@ -100,18 +104,37 @@ def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[
     seq_len)`` of any batch the model accepts (the parameters do not depend on it).
     ``mesh`` / ``axis`` default to the model's; ``sharding="fsdp"`` splits each array of
     at least ``min_elements`` over ``axis`` (``fsdp.fsdp_shardings``), ``"replicated"``
-    keeps a full copy on every device.
+    keeps a full copy on every device.  ``opt_memory="pinned_host"`` places the optimizer
+    state's shards in host memory (same layout, memory kind ``pinned_host``): the device
+    then holds it only while a step updates the parameters (issue 30; measure it with
+    ``benchmarks/train_mfu.py --opt-memory pinned_host``).
     """
     if sharding not in SHARDING_MODES:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDING_MODES}")
+    if opt_memory not in OPT_MEMORY:
+        raise ValueError(f"opt_memory={opt_memory!r} must be one of {OPT_MEMORY}")
     mesh, axis = _mesh_and_axis(model, mesh, axis)
     shapes = jax.eval_shape(_init_fn(model, optimizer, _check_tokens_shape(tokens_shape)), key)
     if sharding == "fsdp":
         shardings = fsdp_shardings(shapes, mesh, axis, min_elements=min_elements)
     else:
         shardings = replicated_shardings(shapes, mesh)
+    if opt_memory != "device":
+        shardings = shardings.replace(opt_state=jax.tree.map(
+            lambda sh: sh.with_memory_kind(opt_memory), shardings.opt_state))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
+
+
+def _on_device(sharding: Sharding) -> Sharding:
+    return sharding.with_memory_kind("device")
+
+
+def opt_state_offloaded(shardings) -> bool:
+    """Whether a state's optimizer state is placed in host memory (``opt_memory``)."""
+    leaves = jax.tree.leaves(shardings_of(shardings).opt_state,
+                             is_leaf=lambda x: isinstance(x, Sharding))
+    return any(getattr(sh, "memory_kind", None) == "pinned_host" for sh in leaves)
 
 
 def init_train_state(model, optimizer, key, tokens_shape, **kwargs) -> TrainState:
@@ -178,7 +201,9 @@ def make_train_step(model, optimizer, *, shardings=None, donate: bool = True,
     ``shardings``: the state's shardings (a ``TrainState`` of ``Sharding``s, or the
     abstract / concrete state itself); the new state is pinned to them, so it keeps the
     layout it was initialised or restored with.  ``donate=True`` donates the old state
-    (its buffers are reused; do not touch it after the call).  The batch is taken as
+    (its buffers are reused; do not touch it after the call).  An optimizer state placed
+    in host memory (``abstract_train_state(opt_memory="pinned_host")``) is moved to the
+    device for the update and back by the step's output shardings.  The batch is taken as
     given: NumPy arrays, or ``jax.Array``s already placed (e.g. with
     ``jax_seqpar.distributed.from_host`` when several processes run).
     """
@@ -194,12 +219,20 @@ def make_train_step(model, optimizer, *, shardings=None, donate: bool = True,
                                    segment_ids=batch.get("segment_ids"),
                                    positions=batch.get("positions"))
 
+    offloaded = shardings is not None and opt_state_offloaded(shardings)
+    device_opt = (jax.tree.map(_on_device, shardings_of(shardings).opt_state,
+                               is_leaf=lambda x: isinstance(x, Sharding))
+                  if offloaded else None)
+
     def step(state: TrainState, batch):
         _check_batch(batch)
         rng, key = jax.random.split(state.rng)
         (_, metrics), grads = jax.value_and_grad(
             lambda p: loss_fn(p, batch, key), has_aux=True)(state.params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        opt_in = state.opt_state
+        if offloaded:  # computation reads device memory: bring it over for the update
+            opt_in = jax.device_put(opt_in, device_opt)
+        updates, opt_state = optimizer.update(grads, opt_in, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                           rng=rng), metrics
@@ -209,5 +242,6 @@ def make_train_step(model, optimizer, *, shardings=None, donate: bool = True,
     return jax.jit(step, donate_argnums=(0,) if donate else (), **kwargs)
 
 
-__all__ = ["BATCH_KEYS", "RNG_STREAM", "SHARDING_MODES", "TrainState",
-           "abstract_train_state", "init_train_state", "make_train_step", "shardings_of"]
+__all__ = ["BATCH_KEYS", "OPT_MEMORY", "RNG_STREAM", "SHARDING_MODES", "TrainState",
+           "abstract_train_state", "init_train_state", "make_train_step",
+           "opt_state_offloaded", "shardings_of"]
