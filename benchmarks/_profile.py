@@ -20,7 +20,7 @@ import re
 CATEGORIES = (
     ("host transfers", r"memcpy|dtoh|htod|d2h|h2d"),
     ("collectives", r"nccl|all_reduce|all-reduce|allreduce|reduce_scatter|all_gather|collective"),
-    ("attention kernels", r"mosaic|fmha|flash|cudnn|attention|attn|triton"),
+    ("attention kernels", r"mosaic|fmha|flash|cudnn|attention|attn"),
     ("matmuls", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|matmul|dot"),
     ("copies and layout", r"memset|copy|transpose|concatenate|dynamic.update|pad"),
     ("elementwise and reductions (XLA fusions)", r"fusion|loop|input|reduce|convert|scatter|gather|select|broadcast"),

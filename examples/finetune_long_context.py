@@ -80,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--backward", default="auto", choices=["auto", "kv", "q"])
     p.add_argument("--kernel", default="auto", help="local attention kernel (auto, xla, ...)")
     p.add_argument("--remat", default="none",
-                   choices=["none", "full", "attention", "seq_selective"])
+                   choices=["none", "full", "attention", "seq_selective", "attention_mlp"])
     p.add_argument("--dtype", default=None,
                    help="activation dtype (default: bfloat16 on GPUs, float32 on CPU); "
                         "parameters and optimizer state stay float32")

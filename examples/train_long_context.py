@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag", "striped"])
     p.add_argument("--backward", default="auto", choices=["auto", "kv", "q"])
     p.add_argument("--remat", default="none",
-                   choices=["none", "full", "attention", "seq_selective"])
+                   choices=["none", "full", "attention", "seq_selective", "attention_mlp"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--pairs", type=int, default=4, help="key/value pairs per sequence")
     p.add_argument("--keys", type=int, default=8, help="distinct keys")

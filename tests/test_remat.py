@@ -196,3 +196,20 @@ def test_seq_selective_attention_errors():
     q = jax.numpy.zeros((1, 20, 2, 8))
     with pytest.raises(ValueError, match="2\\*4 devices"):
         seq_selective_attention(q, q, q, mesh=make_mesh(4))
+
+
+def test_examples_offer_every_remat_mode():
+    """The examples parse their flags before importing JAX, so they list the modes
+    literally; the lists must stay the library's."""
+    import ast
+    from pathlib import Path
+
+    from jax_seqpar.remat import REMAT_MODES
+    root = Path(__file__).resolve().parents[1] / "examples"
+    for name in ("finetune_long_context.py", "train_long_context.py"):
+        tree = ast.parse((root / name).read_text())
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args
+                 and isinstance(n.args[0], ast.Constant) and n.args[0].value == "--remat"]
+        (call,) = calls
+        choices = next(k.value for k in call.keywords if k.arg == "choices")
+        assert tuple(ast.literal_eval(choices)) == REMAT_MODES, name
