@@ -216,12 +216,15 @@ def compact_tiles(vis, full):
     n_full = full.sum(-1, dtype=jnp.int32)
     count = vis.sum(-1, dtype=jnp.int32)
     n_cols = vis.shape[-1]
+    col = jnp.arange(n_cols, dtype=jnp.int32)
+    # invisible columns go to n_cols + col: out of bounds (dropped), and still distinct,
+    # so the scatter's unique_indices promise holds
     dest = jnp.where(full, jnp.cumsum(full, -1, dtype=jnp.int32) - 1,
                      jnp.where(part, n_full[..., None] + jnp.cumsum(part, -1, dtype=jnp.int32)
-                               - 1, n_cols))  # n_cols: out of bounds, dropped
+                               - 1, n_cols + col))
     rows = vis.shape[:-1]
     flat = dest.reshape(-1, n_cols)
-    cols = jnp.broadcast_to(jnp.arange(n_cols, dtype=jnp.int32), flat.shape)
+    cols = jnp.broadcast_to(col, flat.shape)
     r = jnp.broadcast_to(jnp.arange(flat.shape[0], dtype=jnp.int32)[:, None], flat.shape)
     order = jnp.zeros(flat.shape, jnp.int32).at[r, flat].set(cols, mode="drop",
                                                              unique_indices=True)
