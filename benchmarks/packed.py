@@ -23,6 +23,7 @@ failures, and each starts only while the time budget allows):
   split atomic dQ at D = 128) and, at 16k/64k, ``pallas_mgpu`` without
   the skipping
   (``MgpuConfig(segment_skip=False)``: the state before).  Timed in alternating rounds
+  (``--rounds``, 9 by default; 2 fewer from 128k on)
   (every function once per round, in a shifting order); medians and the median of the
   per-round ratios.  Useful TFLOP/s count the within-document causal FLOPs,
   ``3.5 * 2 * H * D * sum(L^2)`` (FlashAttention's convention: half of ``4 H D L^2``
@@ -602,7 +603,9 @@ def main(argv=None):
         args.sizes = args.sizes or ("65536,16384" if args.quick else "65536,16384,131072")
         # one compilation per S serves every document mix (segment ids are an argument)
         args.doc_means = args.doc_means or "1024,4096,16384"
-        args.rounds = args.rounds or (3 if args.quick else 5)
+        # 9 rounds: one comparison's spread was 5-8% over 5 (RESULTS.md, "second pass"),
+        # as large as the gap to the 64k bar; the timed calls are short next to compiling
+        args.rounds = args.rounds or (3 if args.quick else 9)
     info = env_info()
     print(f"# {info}\n# {vars(args)}", flush=True)
     result = dict(env=info, args=vars(args))
