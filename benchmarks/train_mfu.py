@@ -438,9 +438,11 @@ def main(argv=None):
     info = env_info()
     rate = matmul_rate() if jax.default_backend() == "gpu" else None
     print(f"# {info}\n# preset {name}: {cfg}"
+          + (f"\n# XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")
           + (f"\n# bf16 matmul 8192^3: {rate / 1e12:.0f} TFLOP/s" if rate else ""), flush=True)
     result = dict(env=info, preset=name, config=cfg, matmul_flops=rate, rows=[],
-                  mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+                  mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                  xla_flags=os.environ.get("XLA_FLAGS"))
     cfg["packed"] = args.packed
     path = os.path.join(out_dir(), f"train_mfu_{name}"
                         + (f"_packed{args.packed}" if args.packed else "") + ".json")

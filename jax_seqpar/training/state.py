@@ -106,8 +106,12 @@ def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[
     at least ``min_elements`` over ``axis`` (``fsdp.fsdp_shardings``), ``"replicated"``
     keeps a full copy on every device.  ``opt_memory="pinned_host"`` places the optimizer
     state's shards in host memory (same layout, memory kind ``pinned_host``): the device
-    then holds it only while a step updates the parameters (issue 30; measure it with
-    ``benchmarks/train_mfu.py --opt-memory pinned_host``).
+    then holds it only while a step updates the parameters.  Measured on one H200 (JAX
+    0.11.2, issue 30) that does not pay: the compiled step holds the old and the new state
+    on the device at once, so the 7B step at 32k needed 114 GiB of temporaries instead of
+    64 and ran out of memory (``benchmarks/RESULTS.md``, "XLA flags and the optimizer
+    state in host memory"); ``benchmarks/train_mfu.py --opt-memory pinned_host`` measures
+    it again.
     """
     if sharding not in SHARDING_MODES:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDING_MODES}")
