@@ -34,6 +34,17 @@ def time_fn(fn, *args, warmup: int = 2, repeats: int = 5) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "repeats": repeats}
 
 
+def round_order(names, r: int, seed: int = 0) -> list:
+    """The order of round ``r`` when several functions are timed in alternation: a fresh
+    seeded permutation each round.  A fixed cyclic rotation keeps each function after
+    the same neighbour, and on one H200 the call right after a 110 ms cuDNN call ran
+    3-5% slower than the same call elsewhere in the round (three runs of
+    ``packed_breakdown.py``, RESULTS.md, "Packed documents, third pass")."""
+    import numpy as np
+    rng = np.random.default_rng((seed, r))
+    return [names[i] for i in rng.permutation(len(names))]
+
+
 def peak_memory_bytes(device=None):
     """Peak bytes in use on ``device`` so far (None where the backend does not say)."""
     device = device or jax.devices()[0]

@@ -68,7 +68,7 @@ from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.choose import choose_layout, segments_from_lengths  # noqa: E402
 from jax_seqpar.reference import reference_attention  # noqa: E402
-from _util import env_info, out_dir, pyplot, save_json  # noqa: E402
+from _util import env_info, out_dir, pyplot, round_order, save_json  # noqa: E402
 
 BF16 = jnp.bfloat16
 BUDGET = 2e-2
@@ -399,8 +399,8 @@ def run_bench(args, on_gpu, sizes):
             names = list(ok)
             ts = {n: [] for n in names}
             rounds = args.rounds if S < 131072 else max(3, args.rounds - 2)
-            for r in range(rounds):
-                for n in names[r % len(names):] + names[:r % len(names)]:
+            for r in range(rounds):  # a new order each round (_util.round_order)
+                for n in round_order(names, r, seed=S + mean):
                     t0 = time.perf_counter()
                     jax.block_until_ready(ok[n](q, k, v, do, seg))
                     ts[n].append(time.perf_counter() - t0)

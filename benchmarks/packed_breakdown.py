@@ -1,12 +1,14 @@
 """Where a packed causal fwd+bwd spends its time (issue 27), one H200: 64k and 16k tokens
 in documents ~4k, H = 16, D = 128, bf16, through ``jax_seqpar.attention`` on a one-device
 mesh against the Hopper kernel's forward and backward called alone, the tile lists
-alone, and Hopper-kernel configurations (dQ paths, tile sizes), alternating rounds.
+alone, and Hopper-kernel configurations (dQ paths, tile sizes, ``rows2`` / ``rows4``:
+key blocks per dK/dV CTA, ``MgpuConfig.rows_per_cta``), alternating rounds.
 Two runs: results/packed_breakdown_h200.json (the first) and packed_breakdown_2_h200.json
 (9 rounds; there "api fwd+bwd" ran the split atomic dQ, the same configuration as
 "split_dq": the 8% between those two rows is this measurement's noise).
 
     python benchmarks/packed_breakdown.py      # one H200, ~2 minutes
+    python benchmarks/packed_breakdown.py --variants two_kernel_dq,rows2,rows4 --rounds 15
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jax_seqpar.kernels import PallasMgpuKernel
 from jax_seqpar.kernels.pallas_common import segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
 from jax_seqpar.masks import MaskSpec
+from _util import round_order
 from packed import lognormal_lengths, packed_ids, useful_pairs
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -56,13 +59,17 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def timed(fns, args, rounds=9):
+ROUNDS = [9]
+
+
+def timed(fns, args, rounds=None):
+    rounds = ROUNDS[0] if rounds is None else rounds
     names = list(fns)
     ts = {n: [] for n in names}
     for n in names:
         jax.block_until_ready(fns[n](*args))
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+    for r in range(rounds):  # a new order each round (_util.round_order)
+        for n in round_order(names, r):
             t0 = time.perf_counter()
             jax.block_until_ready(fns[n](*args))
             ts[n].append(time.perf_counter() - t0)
@@ -106,14 +113,17 @@ def breakdown(S):
         c = tile_lists(MASK, pb, pos, S, 2 * cfg.block_q_bwd, cfg.block_kv_dq, True, **sp)
         return a, b, c
     fns["tile lists x3"] = jax.jit(lambda q, k, v, do, s: lists(s))
-    variants = {
+    every = {
         "two_kernel_dq": cfg,
         "split_dq": dataclasses.replace(cfg, atomic_dq=True, split_dq=True),
         "dq_kv64": dataclasses.replace(cfg, block_kv_dq=64),
         "fwd_kv64_s4": dataclasses.replace(cfg, block_kv=64, num_stages=4),
         "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
                                                    num_stages=4),
+        "rows2": dataclasses.replace(cfg, rows_per_cta=2),
+        "rows4": dataclasses.replace(cfg, rows_per_cta=4),
     }
+    variants = {n: every[n] for n in VARIANTS}
     for name, c in variants.items():
         kv = PallasMgpuKernel(config=c)
         fns[f"api fwd+bwd {name}"] = jax.jit(
@@ -143,7 +153,22 @@ def breakdown(S):
                  f" dv {rel(g[2], g0[2]):.2e}")
 
 
+VARIANTS = ["two_kernel_dq", "split_dq", "dq_kv64", "fwd_kv64_s4", "dq_kv64_fwd_kv64_s4",
+            "rows2", "rows4"]
+
+
 def main():
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"Hopper-kernel configurations to time, of {VARIANTS}")
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}")
+    VARIANTS[:] = args.variants.split(",")
+    ROUNDS[0] = args.rounds
     for S in (65536, 16384):
         try:
             breakdown(S)
