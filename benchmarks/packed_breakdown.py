@@ -1,14 +1,19 @@
 """Where a packed causal fwd+bwd spends its time (issue 27), one H200: 64k and 16k tokens
 in documents ~4k, H = 16, D = 128, bf16, through ``jax_seqpar.attention`` on a one-device
 mesh against the Hopper kernel's forward and backward called alone, the tile lists
-alone, and Hopper-kernel configurations (dQ paths, tile sizes, ``rows2`` / ``rows4``:
-key blocks per dK/dV CTA, ``MgpuConfig.rows_per_cta``), alternating rounds.
-Two runs: results/packed_breakdown_h200.json (the first) and packed_breakdown_2_h200.json
-(9 rounds; there "api fwd+bwd" ran the split atomic dQ, the same configuration as
-"split_dq": the 8% between those two rows is this measurement's noise).
+alone, and Hopper-kernel configurations (dQ paths, tile sizes), in alternating rounds
+(a fresh order each round).  The runs of 2026-11-23 later also timed ``rows2`` /
+``rows4`` (``MgpuConfig.rows_per_cta``, several key blocks per dK/dV CTA: commit
+b93a8f5, reverted after; RESULTS.md, "Packed documents, third pass").
+Runs: results/packed_breakdown_h200.json, packed_breakdown_2_h200.json (9 rounds;
+"api fwd+bwd" then ran the split atomic dQ, the same configuration as "split_dq", and
+was 8% slower), packed_rows_per_cta{,_2}_h200.json (fixed rotation) and
+packed_shuffled_breakdown_h200.json (a fresh order each round).  In a fixed rotation
+"api fwd+bwd" always ran right after cuDNN's 110 ms call and read 3-5% slower than the
+same configuration elsewhere in the round; in a fresh order the two agree to 0.3%.
 
     python benchmarks/packed_breakdown.py      # one H200, ~2 minutes
-    python benchmarks/packed_breakdown.py --variants two_kernel_dq,rows2,rows4 --rounds 15
+    python benchmarks/packed_breakdown.py --variants two_kernel_dq,split_dq --rounds 15
 """
 
 from __future__ import annotations
@@ -120,8 +125,6 @@ def breakdown(S):
         "fwd_kv64_s4": dataclasses.replace(cfg, block_kv=64, num_stages=4),
         "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
                                                    num_stages=4),
-        "rows2": dataclasses.replace(cfg, rows_per_cta=2),
-        "rows4": dataclasses.replace(cfg, rows_per_cta=4),
     }
     variants = {n: every[n] for n in VARIANTS}
     for name, c in variants.items():
@@ -153,8 +156,7 @@ def breakdown(S):
                  f" dv {rel(g[2], g0[2]):.2e}")
 
 
-VARIANTS = ["two_kernel_dq", "split_dq", "dq_kv64", "fwd_kv64_s4", "dq_kv64_fwd_kv64_s4",
-            "rows2", "rows4"]
+VARIANTS = ["two_kernel_dq", "split_dq", "dq_kv64", "fwd_kv64_s4", "dq_kv64_fwd_kv64_s4"]
 
 
 def main():

@@ -47,8 +47,6 @@ def _request(**kw):
     (dict(atomic_dq=1), "must be a bool"),
     (dict(segment_skip=0), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
-    (dict(rows_per_cta=0), "positive int"),
-    (dict(rows_per_cta=2, atomic_dq=True), "needs the two-kernel backward"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -161,9 +159,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
-    variants = [dict(atomic_dq=False), dict(atomic_dq=True),
-                dict(atomic_dq=False, rows_per_cta=2), dict(atomic_dq=False, rows_per_cta=3)
-                ] + ([dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
+    variants = [dict(atomic_dq=False), dict(atomic_dq=True)] + (
+        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)

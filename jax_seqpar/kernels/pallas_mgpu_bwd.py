@@ -70,13 +70,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
-    # rows (key blocks of 2 * bk) per CTA; with more than one, K and V are double-buffered
-    R = config.rows_per_cta
-    nbuf = 1 if R == 1 else 2
-    if (Lk // (2 * bk)) % R:
-        raise ValueError(f"{Lk // (2 * bk)} key blocks do not split into CTAs of "
-                         f"rows_per_cta={R} (mgpu_bwd pads the keys for this)")
-    G = Lk // (2 * bk) // R
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
@@ -85,31 +78,26 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             = scoped
         b = lax.axis_index("batch")
         kvh = lax.axis_index("heads")
-        cta = lax.axis_index("kv_seq")
+        blk = order_ref[b, lax.axis_index("kv_seq")]
         wg = lax.axis_index("wg")
-        # the CTA's rows (key blocks): launch positions in snake order over the sorted
-        # list, so a CTA's rows sum to about the same work (heaviest with lightest)
-        row_info, base = [], jnp.int32(0)
-        for r in range(R):
-            at = r * G + cta if r % 2 == 0 else (r + 1) * G - 1 - cta
-            blk = order_ref[b, at]
-            count = tbl_ref[b, blk, 0]
-            row_info.append((blk, count, tbl_ref[b, blk, 1] if masked else count, base))
-            base = base + g * count
+        count = tbl_ref[b, blk, 0]
+        n_full = tbl_ref[b, blk, 1] if masked else count
 
-        def consume_row(r):
-            blk, count, n_full, base = row_info[r]
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(240, action="increase")
             row0 = blk * (2 * bk) + wg * bk
-            at = (r % nbuf) * 2 + wg
-            kw, vw = k_smem.at[at], v_smem.at[at]
-            plgpu.barrier_wait(kv_ready.at[at])
+            kw, vw = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
             if masked:
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
             def step(t, carry, hh, masked_tile):
                 dk, dv = carry
-                slot = lax.rem(base + hh * count + t, jnp.int32(stages))
+                slot = lax.rem(hh * count + t, jnp.int32(stages))
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def st(acc_ref):
@@ -149,7 +137,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
                 if split_dq:  # both consumers' blocks (double-buffered by step parity);
                     # each then adds dS K for half of dQ's columns over all 2 * bk keys
-                    par = lax.rem(base + hh * count + t, jnp.int32(2))
+                    par = lax.rem(hh * count + t, jnp.int32(2))
                     ds_smem.at[par, wg][...] = ds
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ds_ready.at[par])
@@ -168,8 +156,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     # (operand views made here: made outside this scope, the split's
                     # failed to lower on JAX 0.11.2, "Shaped arrays must be represented
                     # by ir.Values")
-                    terms = ([(ds_smem.at[par, w], k_smem.at[(r % nbuf) * 2 + w, :, cols])
-                              for w in range(2)]
+                    terms = ([(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
                              if split_dq else [(ds_smem.at[wg], kw)])
                     for ds_t, k_part in terms:
                         plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_t, (1, 0)), k_part)
@@ -198,35 +185,17 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(kw, dk_ref.at[b, pl.ds(row0, bk), kvh])
             plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(240, action="increase")
-
-            def load_kv(r):
-                row0 = row_info[r][0] * (2 * bk) + wg * bk
-                at = (r % nbuf) * 2 + wg
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], k_smem.at[at],
-                                        kv_ready.at[at])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], v_smem.at[at],
-                                        kv_ready.at[at])
-
-            load_kv(0)
-            for r in range(R):
-                if r + 1 < R:  # prefetch the next row's K, V into the other buffer, once
-                    if r >= 1:  # the store of row r - 1 has read it
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_kv(r + 1)
-                consume_row(r)
             plgpu.wait_smem_to_gmem(0)
 
-        def produce_row(blk, count, base):
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(24, action="decrease")
+
             @pl.loop(0, g * count)
-            def _(i):
-                j = base + i  # the CTA's step number: ring slots and phases run on
+            def _(j):
                 slot = lax.rem(j, jnp.int32(stages))
-                hh = lax.div(i, count)
-                t = i - hh * count
+                hh = lax.div(j, count)
+                t = j - hh * count
                 qh = kvh * g + hh
                 start = tbl_ref[b, blk, t + 2] * bq
                 rows = (b, pl.ds(start, bq), qh)
@@ -245,12 +214,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.barrier_wait(do_free.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(24, action="decrease")
-            for blk, count, _, base in row_info:
-                produce_row(blk, count, base)
-
     n_in = 10 + 2 * has_seg
 
     def entry(*refs):
@@ -258,8 +221,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         dq_ref = refs[n_in] if with_dq else None
         dk_ref, dv_ref = refs[-2:]
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2 * nbuf, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((2 * nbuf, bk, D), dtype, transforms=swz),
+        smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bq), F32),
@@ -279,7 +242,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (
                 (*sm, *pad), ready, fr if split_dq else (*fr, None))),
             smem,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=2 * nbuf),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             frees,
@@ -289,7 +252,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
         [q_seg, kv_seg] if has_seg else [])
     args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
-    grid = dict(grid=(Hkv, G, B), grid_names=("heads", "kv_seq", "batch"),
+    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
                 num_threads=3, thread_name="wg")
     params = plgpu.CompilerParams(approx_math=True)
     if not with_dq:
@@ -429,8 +392,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     bq, bk, bk_dq = config.block_q_bwd, config.block_kv_bwd, config.block_kv_dq
-    # whole CTAs of the dK/dV kernel (rows_per_cta key blocks each), whole dQ stages
-    kmul = math.lcm(2 * bk * config.rows_per_cta, bk_dq)
+    kmul = math.lcm(2 * bk, bk_dq)  # whole CTAs of the dK/dV kernel, whole dQ stages
     Lq, Lk = -(-Tq // (2 * bq)) * (2 * bq), -(-Tk // kmul) * kmul
     has_seg = q_seg is not None
     if delta is None:

@@ -41,11 +41,6 @@ class MgpuConfig:
     as fully visible (mask-free loop): ``pallas_common.tile_lists``; the kernels are the
     same either way.  False restores the lists of before (every position-visible tile,
     segments masked in each), a fallback should the skipping misbehave on a GPU.
-    ``rows_per_cta`` (two-kernel backward only): key blocks one dK/dV CTA works through
-    in turn, paired heaviest with lightest; with more than one, the next block's K and V
-    load while the current one runs (a second buffer) and the producer streams on
-    without a break, so short rows (packed documents) pay the CTA's start and end once
-    per ``rows_per_cta`` blocks.
     """
 
     block_q: int = 64
@@ -58,7 +53,6 @@ class MgpuConfig:
     atomic_dq: bool = False
     split_dq: bool = False
     segment_skip: bool = True
-    rows_per_cta: int = 1
 
     def __post_init__(self):
         for name in ("atomic_dq", "split_dq", "segment_skip"):
@@ -77,9 +71,6 @@ class MgpuConfig:
             if getattr(self, name) % 64:
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)} must be a "
                                  f"multiple of 64 (wgmma tiles)")
-        if self.rows_per_cta > 1 and self.atomic_dq:
-            raise ValueError(f"MgpuConfig.rows_per_cta={self.rows_per_cta} needs the "
-                             f"two-kernel backward (atomic_dq=False)")
         for name in ("num_stages", "num_stages_bwd"):
             if getattr(self, name) < 2:
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)} must be >= 2 "
@@ -116,8 +107,7 @@ def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     the Q, dO, lse and delta rings; with ``atomic_dq`` also each consumer's dS tile and
     float32 dQ block) or dQ (two Q and dO blocks, the K and V rings)."""
     item = jnp.dtype(dtype).itemsize
-    nbuf = 1 if config.rows_per_cta == 1 else 2  # K, V double-buffered across rows
-    kv = 2 * 2 * nbuf * config.block_kv_bwd * head_dim * item
+    kv = 2 * 2 * config.block_kv_bwd * head_dim * item
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
     if config.atomic_dq:
         ds_dq = 2 * config.block_q_bwd * (config.block_kv_bwd * item + head_dim * 4)
