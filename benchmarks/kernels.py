@@ -58,7 +58,7 @@ from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
-from _util import env_info, out_dir, save_json, time_fn  # noqa: E402
+from _util import env_info, out_dir, round_order, save_json, time_fn  # noqa: E402
 
 BUDGET = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 
@@ -299,7 +299,8 @@ def bench(kernels, sizes, dims, rate):
 
 def pair(kernels, sizes, dims, rounds=30):
     """Forward and forward+backward of cuDNN and each backend, timed in rotation (one call
-    of each per round, the order shifted every round) so that clock drift hits all alike;
+    of each per round, in a fresh seeded order every round: ``_util.round_order``) so that
+    clock drift and each call's predecessor hit all alike;
     medians and the median of the per-round ratios to cuDNN (sequential rounds of 2-ms
     kernels were seen to drift by 10-15% between runs)."""
     rows = []
@@ -318,7 +319,7 @@ def pair(kernels, sizes, dims, rounds=30):
         keys = list(fns)
         ts = {key: [] for key in keys}
         for r in range(rounds):
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            for key in round_order(keys, r, seed=S + D):
                 f, a = fns[key]
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*a))

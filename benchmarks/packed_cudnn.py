@@ -34,7 +34,7 @@ import jax_seqpar as jsp
 from jax_seqpar.kernels import PallasMgpuKernel
 from jax_seqpar.masks import MaskSpec
 from packed import lognormal_lengths, packed_ids, per_document_grads, useful_pairs
-from _util import env_info, out_dir, save_json
+from _util import env_info, out_dir, round_order, save_json
 
 H, D = 16, 128
 SCALE = D ** -0.5
@@ -127,7 +127,7 @@ def main():
         names = list(fns)
         ts = {n: [] for n in names}
         for r in range(5):
-            for n in names[r % len(names):] + names[:r % len(names)]:
+            for n in round_order(names, r, seed=S):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fns[n](q, k, v, do))
                 ts[n].append(time.perf_counter() - t0)
