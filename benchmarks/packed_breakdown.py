@@ -64,11 +64,7 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-ROUNDS = [9]
-
-
-def timed(fns, args, rounds=None):
-    rounds = ROUNDS[0] if rounds is None else rounds
+def timed(fns, args, rounds):
     names = list(fns)
     ts = {n: [] for n in names}
     for n in names:
@@ -81,7 +77,9 @@ def timed(fns, args, rounds=None):
     return {n: 1e3 * float(np.median(t)) for n, t in ts.items()}
 
 
-def breakdown(S):
+def breakdown(S, names, rounds):
+    """Time the calls above at ``S`` tokens, with the Hopper-kernel configurations
+    ``names`` (of ``VARIANTS``), over ``rounds`` rounds."""
     q, k, v, do, seg = inputs(S)
     pos = jnp.arange(S, dtype=jnp.int32)
     useful = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg[0]))
@@ -126,7 +124,7 @@ def breakdown(S):
         "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
                                                    num_stages=4),
     }
-    variants = {n: every[n] for n in VARIANTS}
+    variants = {n: every[n] for n in names}
     for name, c in variants.items():
         kv = PallasMgpuKernel(config=c)
         fns[f"api fwd+bwd {name}"] = jax.jit(
@@ -138,7 +136,7 @@ def breakdown(S):
             ok[n] = fn
         except Exception as e:
             note(f"S={S} {n} FAILED {type(e).__name__}: {str(e)[:300]}")
-    ms = timed(ok, (q, k, v, do, seg))
+    ms = timed(ok, (q, k, v, do, seg), rounds)
     base = ms.get("cudnn unpacked fwd+bwd")
     for n, t in ms.items():
         row = dict(S=S, name=n, ms=t)
@@ -169,11 +167,9 @@ def main():
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}")
-    VARIANTS[:] = args.variants.split(",")
-    ROUNDS[0] = args.rounds
     for S in (65536, 16384):
         try:
-            breakdown(S)
+            breakdown(S, args.variants.split(","), args.rounds)
         except Exception:
             traceback.print_exc()
     with open(os.path.join(OUT, "packed_breakdown.json"), "w") as fh:

@@ -55,8 +55,6 @@ environment says otherwise.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import os
 import resource
 import sys
