@@ -68,18 +68,18 @@ MLP_UP = "mlp_up"
 
 #: What each mode keeps, as names (the offloading policy moves exactly these).
 _SAVED = {"full": (), "attention": (ATTN_OUT, ATTN_LSE),
-          "seq_selective": (ATTN_OUT_LATE, ATTN_LSE_LATE),
-          "attention_mlp": (ATTN_OUT, ATTN_LSE, MLP_GATE, MLP_UP)}
+          "seq_selective": (ATTN_OUT_LATE, ATTN_LSE_LATE)}
+_SAVED["attention_mlp"] = _SAVED["attention"] + (MLP_GATE, MLP_UP)
 
 
 def remat_aware_policy(*extra_names: str):
     """Save the attention output and lse (plus any ``extra_names``), recompute the rest."""
-    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT, ATTN_LSE, *extra_names)
+    return jax.checkpoint_policies.save_only_these_names(*_SAVED["attention"], *extra_names)
 
 
 def seq_selective_policy(*extra_names: str):
     """Save the later half of each shard's attention output and lse, recompute the rest."""
-    return jax.checkpoint_policies.save_only_these_names(ATTN_OUT_LATE, ATTN_LSE_LATE,
+    return jax.checkpoint_policies.save_only_these_names(*_SAVED["seq_selective"],
                                                          *extra_names)
 
 
@@ -106,9 +106,9 @@ def policy_for(mode: str, offload: bool = False):
             names_which_can_be_saved=(),
             names_which_can_be_offloaded=(BLOCK_INPUT,) + _SAVED[mode],
             offload_src="device", offload_dst="pinned_host")
-    return {"full": jax.checkpoint_policies.nothing_saveable,
-            "attention": remat_aware_policy(), "seq_selective": seq_selective_policy(),
-            "attention_mlp": remat_aware_policy(MLP_GATE, MLP_UP)}[mode]
+    if mode == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_only_these_names(*_SAVED[mode])
 
 
 def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[str, ...]] = "sp",
