@@ -108,3 +108,58 @@ def replot(path: str, table, plot) -> None:
         rows = json.load(f)["rows"]
     table(rows)
     plot(rows, os.path.splitext(path)[0] + ".png")
+
+
+class ClockSampler:
+    """SM clock (MHz) and board power (W) of GPU 0, sampled every ``period_ms`` by
+    ``nvidia-smi`` in a background thread, stamped with ``time.perf_counter()`` when read,
+    so that a timed call's interval can be matched to the clock it ran at.  Does nothing
+    (``samples`` stays empty) where ``nvidia-smi`` is missing.
+
+        with ClockSampler() as clk:
+            t0 = time.perf_counter(); f(); t1 = time.perf_counter()
+        clk.mean(t0, t1)   # {"sm_mhz": ..., "power_w": ..., "n": ...}
+    """
+
+    def __init__(self, period_ms: int = 10):
+        self.period_ms = period_ms
+        self.samples = []  # (perf_counter, sm_mhz, power_w)
+        self._proc = None
+        self._thread = None
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+        import threading
+        if shutil.which("nvidia-smi") is None:
+            return self
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def read():
+            for line in self._proc.stdout:
+                try:
+                    mhz, watts = (float(x) for x in line.split(","))
+                except ValueError:
+                    continue
+                self.samples.append((time.perf_counter(), mhz, watts))
+        self._thread = threading.Thread(target=read, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+            self._thread.join(timeout=10)
+        return False
+
+    def mean(self, t0: float, t1: float) -> dict:
+        """Mean clock and power over the samples read between ``t0`` and ``t1``."""
+        xs = [(m, w) for t, m, w in self.samples if t0 <= t <= t1]
+        if not xs:
+            return {"n": 0}
+        return {"sm_mhz": statistics.fmean(m for m, _ in xs),
+                "power_w": statistics.fmean(w for _, w in xs), "n": len(xs)}

@@ -12,8 +12,17 @@ packed_shuffled_breakdown_h200.json (a fresh order each round).  In a fixed rota
 "api fwd+bwd" always ran right after cuDNN's 110 ms call and read 3-5% slower than the
 same configuration elsewhere in the round; in a fresh order the two agree to 0.3%.
 
+Three clocks (RESULTS.md, "fourth pass"): every function once per round, synchronised
+(wall clock); ``--sustained-ms``: runs of back-to-back calls of about that length;
+``--device-rounds``: rounds under the profiler, timed by the device's kernel spans
+(``_profile.device_times``).  The SM clock and board power of each function's calls
+are sampled alongside (``_util.ClockSampler``); ``--profile`` lists the kernels of one
+public packed call.
+
     python benchmarks/packed_breakdown.py      # one H200, ~2 minutes
     python benchmarks/packed_breakdown.py --variants two_kernel_dq,split_dq --rounds 15
+    python benchmarks/packed_breakdown.py --sizes 65536 --variants split_dq \
+        --sustained-ms 300 --device-rounds 9 --profile
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from jax_seqpar.kernels import PallasMgpuKernel
 from jax_seqpar.kernels.pallas_common import segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
 from jax_seqpar.masks import MaskSpec
-from _util import round_order
+from _util import ClockSampler, round_order
+from packed import device_rounds as packed_device_rounds
 from packed import lognormal_lengths, packed_ids, useful_pairs
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -64,29 +74,55 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def timed(fns, args, rounds):
+def timed(fns, args, rounds, clk, reps=None):
+    """Median ms per call of each function over ``rounds`` rounds in a fresh order each
+    round (``_util.round_order``), and the mean SM clock / power over its timed calls.
+    ``reps`` (name -> n): "sustained" timing, ``n`` calls back to back per round, timed
+    together (one sync at the end), so that a call follows calls of its own kind; else
+    one call per round, synchronised."""
     names = list(fns)
     ts = {n: [] for n in names}
+    spans = {n: [] for n in names}
     for n in names:
         jax.block_until_ready(fns[n](*args))
-    for r in range(rounds):  # a new order each round (_util.round_order)
+    for r in range(rounds):
         for n in round_order(names, r):
+            k = reps[n] if reps else 1
             t0 = time.perf_counter()
-            jax.block_until_ready(fns[n](*args))
-            ts[n].append(time.perf_counter() - t0)
-    return {n: 1e3 * float(np.median(t)) for n, t in ts.items()}
+            out = None
+            for _ in range(k):
+                out = fns[n](*args)
+            jax.block_until_ready(out)
+            t1 = time.perf_counter()
+            ts[n].append((t1 - t0) / k)
+            spans[n].append((t0, t1))
+    res_ = {}
+    for n in names:
+        cs = [clk.mean(a, b) for a, b in spans[n]]
+        cs = [c for c in cs if c["n"]]
+        res_[n] = dict(ms=1e3 * float(np.median(ts[n])),
+                       sm_mhz=float(np.mean([c["sm_mhz"] for c in cs])) if cs else None,
+                       power_w=float(np.mean([c["power_w"] for c in cs])) if cs else None)
+    return res_
 
 
-def breakdown(S, names, rounds):
+def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0):
     """Time the calls above at ``S`` tokens, with the Hopper-kernel configurations
-    ``names`` (of ``VARIANTS``), over ``rounds`` rounds."""
+    ``names`` (of ``VARIANTS``), over ``rounds`` rounds; with ``sustained_ms`` also
+    time each function in runs of back-to-back calls of about that many milliseconds;
+    with ``device_rounds`` time that many rounds on the device's clock (``packed.
+    device_rounds``); with ``profile`` list the device kernels of one public packed call."""
     q, k, v, do, seg = inputs(S)
     pos = jnp.arange(S, dtype=jnp.int32)
     useful = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg[0]))
     mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
     kern = PallasMgpuKernel()
-    o, lse = jax.jit(lambda q, k, v, s: kern.fwd(q, k, v, pos, pos, MASK, SCALE, s, s))(
-        q, k, v, seg)
+    try:  # the kernel's own forward, for "kernel bwd" (fails off Hopper: rows skipped)
+        o, lse = jax.jit(lambda q, k, v, s: kern.fwd(q, k, v, pos, pos, MASK, SCALE, s, s))(
+            q, k, v, seg)
+    except Exception as e:
+        note(f"S={S} kernel forward FAILED {type(e).__name__}: {str(e)[:200]}")
+        o = lse = None
 
     def api(kernel):
         def f(q, k, v, s):
@@ -136,15 +172,52 @@ def breakdown(S, names, rounds):
             ok[n] = fn
         except Exception as e:
             note(f"S={S} {n} FAILED {type(e).__name__}: {str(e)[:300]}")
-    ms = timed(ok, (q, k, v, do, seg), rounds)
-    base = ms.get("cudnn unpacked fwd+bwd")
-    for n, t in ms.items():
-        row = dict(S=S, name=n, ms=t)
-        if n.startswith("api fwd+bwd") and base:
-            row["useful_vs_cudnn"] = (useful / t) / (3.5 * 2 * H * D * float(S) ** 2 / base)
-        res["rows"].append(row)
-        note(f"S={S} {n:28s} {t:8.3f} ms" + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
-                                            if "useful_vs_cudnn" in row else ""))
+    args = (q, k, v, do, seg)
+    modes = [("single", None)]
+    if sustained_ms:
+        single = timed(ok, args, 1, ClockSampler())
+        modes.append(("sustained", {n: max(1, round(sustained_ms / single[n]["ms"]))
+                                    for n in ok}))
+    for mode, reps in modes:
+        with ClockSampler() as clk:
+            ms = timed(ok, args, rounds, clk, reps)
+        base = ms.get("cudnn unpacked fwd+bwd", {}).get("ms")
+        for n, m in ms.items():
+            t = m["ms"]
+            row = dict(S=S, name=n, timing=mode, calls=reps[n] if reps else 1, **m)
+            if n.startswith("api fwd+bwd") and base:
+                row["useful_vs_cudnn"] = (useful / t) / (3.5 * 2 * H * D * float(S) ** 2 / base)
+            res["rows"].append(row)
+            clock = (f"  {m['sm_mhz']:6.0f} MHz {m['power_w']:5.0f} W"
+                     if m["sm_mhz"] is not None else "")
+            note(f"S={S} {mode:9s} x{row['calls']:<3d} {n:28s} {t:8.3f} ms{clock}"
+                 + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
+                    if "useful_vs_cudnn" in row else ""))
+    if device_rounds:
+        dev = packed_device_rounds(ok, args, device_rounds, seed=S)
+        base = dev.get("cudnn unpacked fwd+bwd")
+        for n, t in dev.items():
+            row = dict(S=S, name=n, timing="device", calls=1, ms=t)
+            if n.startswith("api fwd+bwd") and base:
+                row["useful_vs_cudnn"] = (useful / t) / (3.5 * 2 * H * D * float(S) ** 2 / base)
+            res["rows"].append(row)
+            note(f"S={S} {'device':9s} x1   {n:28s} {t:8.3f} ms"
+                 + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
+                    if "useful_vs_cudnn" in row else ""))
+    if profile and "api fwd+bwd" in ok:
+        from _profile import profile_timeline
+        fn = ok["api fwd+bwd"]
+        tl = profile_timeline(lambda: jax.block_until_ready(fn(*args)),
+                              f"/tmp/jsp_trace_{S}")
+        res["timeline_" + str(S)] = tl
+        if not tl:
+            note(f"S={S} profile: no device kernels in the trace")
+            return
+        note(f"S={S} profile of one 'api fwd+bwd': {len(tl)} kernels, span "
+             f"{(tl[-1][1] + tl[-1][2]) / 1e3:.3f} ms, busy "
+             f"{sum(d for _, _, d in tl) / 1e3:.3f} ms")
+        for name, start, dur in tl:
+            note(f"    {start / 1e3:8.3f} ms  {dur:9.1f} us  {name[:110]}")
     # check the variants' gradients against the default
     g0 = ok["api fwd+bwd"](q, k, v, do, seg)
     for n in ok:
@@ -163,13 +236,21 @@ def main():
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"Hopper-kernel configurations to time, of {VARIANTS}")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--sustained-ms", type=float, default=0.0,
+                   help="also time runs of back-to-back calls of about this many ms")
+    p.add_argument("--device-rounds", type=int, default=0,
+                   help="also time this many rounds on the device's clock (profiler)")
+    p.add_argument("--profile", action="store_true",
+                   help="list the device kernels of one public packed call")
+    p.add_argument("--sizes", default="65536,16384")
     args = p.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    unknown = {n for n in args.variants.split(",") if n} - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}")
-    for S in (65536, 16384):
+    for S in (int(x) for x in args.sizes.split(",")):
         try:
-            breakdown(S, args.variants.split(","), args.rounds)
+            breakdown(S, [n for n in args.variants.split(",") if n], args.rounds,
+                      args.sustained_ms, args.profile, args.device_rounds)
         except Exception:
             traceback.print_exc()
     with open(os.path.join(OUT, "packed_breakdown.json"), "w") as fh:

@@ -1,11 +1,13 @@
 """benchmarks/packed.py on CPU, the cheap parts: documents, FLOP counts, the check cases,
-the layout phase (its full ``--dry-run`` takes about a minute and is run by hand)."""
+the layout phase (its full ``--dry-run`` takes about a minute and is run by hand), and the
+timing helpers (profiler timelines split into calls, back-to-back rounds, clock samples)."""
 
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -37,3 +39,58 @@ def test_layout_phase_runs(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "packed_dry.json").read_text())["layout"]
     assert {r["doc_mean"] for r in rows} == {64, 256}
     assert all(r["layout"] in ("contiguous", "zigzag", "striped") for r in rows)
+
+
+# --------------------------------------------------------------------------- timing helpers
+def _trace(tmp_path, kernels):
+    """A Perfetto trace as ``jax.profiler`` writes it: a GPU and a host process."""
+    import gzip
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 2, "name": "host_op", "ts": 0.0, "dur": 5000.0}]
+    events += [{"ph": "X", "pid": 1, "name": n, "ts": ts, "dur": d} for n, ts, d in kernels]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    return str(path)
+
+
+def test_device_calls_are_split_at_the_host_round_trip(tmp_path):
+    import _profile
+    # two calls: [a, b, c] with a long kernel overlapping b, then [d]; host idle 400 us
+    kernels = [("c", 1020.0, 5.0), ("a", 1000.0, 300.0), ("b", 1010.0, 5.0),
+               ("d", 1700.0, 50.0)]
+    tl = _profile.timeline(_trace(tmp_path, kernels))
+    assert [n for n, _, _ in tl] == ["a", "b", "c", "d"] and tl[0][1] == 0.0  # no host op
+    calls = _profile.group_calls(tl, 2)
+    assert [[n for n, _, _ in g] for g in calls] == [["a", "b", "c"], ["d"]]
+    with pytest.raises(ValueError, match="boundary gap"):
+        _profile.group_calls(tl, 3)   # a 5 us gap inside a call is no call boundary
+    with pytest.raises(ValueError, match="4 kernels for 5 calls"):
+        _profile.group_calls(tl, 5)
+
+
+def test_sustained_and_device_rounds_on_cpu(capsys):
+    import jax
+    import jax.numpy as jnp
+    f = jax.jit(lambda x: x * 2)
+    g = jax.jit(lambda x: jnp.sin(x))
+    x = jnp.ones(8)
+    got = packed.sustained_rounds({"f": f, "g": g}, (x,), 2, 10.0, {"f": 1e-3, "g": 2e-3},
+                                  seed=0)
+    assert got["f"][1] == 10 and got["g"][1] == 5 and got["f"][0] > 0
+    assert packed.sustained_rounds({"f": f}, (x,), 0, 10.0, {"f": 1e-3}, seed=0) == {}
+    # no device kernels in a CPU trace: no device times, and it says so
+    assert packed.device_rounds({"f": f}, (x,), 1, seed=0) == {}
+    assert "device time: FAILED" in capsys.readouterr().out
+
+
+def test_clock_sampler_without_nvidia_smi(monkeypatch):
+    import shutil
+    import _util
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with _util.ClockSampler() as clk:
+        pass
+    assert clk.samples == [] and clk.mean(0.0, 1e9) == {"n": 0}
+    clk.samples = [(1.0, 1700.0, 650.0), (2.0, 1800.0, 690.0), (9.0, 1980.0, 100.0)]
+    assert clk.mean(0.5, 2.5) == {"sm_mhz": 1750.0, "power_w": 670.0, "n": 2}
