@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 
 #: (category, regex on the lower-cased kernel name), first match wins.
 CATEGORIES = (
@@ -165,3 +166,36 @@ def device_times(calls, logdir: str) -> list:
         start, end = g[0][1], max(s + d for _, s, d in g)
         out.append((label, (end - start) / 1e3, sum(d for _, _, d in g) / 1e3, len(g)))
     return out
+
+
+def device_rounds(calls: dict, rounds: int, seed: int = 0) -> dict:
+    """Median device time (ms) of each ``name: (fn, args)`` over ``rounds`` rounds in a
+    fresh order each round (``_util.round_order``), from one profiler trace
+    (``device_times``): each call is synchronised, and its time runs from its first
+    kernel's start to its last one's end.  The wall clock around one synchronised call
+    adds the host's dispatch and round trip (0.5-0.7 ms on the H200 machine: 14.19 ms
+    against 13.66 ms for the packed 64k call, 110.02 against 109.37 for cuDNN's unpacked
+    one, RESULTS.md "Packed documents, fourth pass"), a larger share of a short call than
+    of a long one; the device time leaves it out of both.  ``{}`` when ``rounds`` is 0 or
+    the trace cannot be read (printed)."""
+    if not rounds:
+        return {}
+    import functools
+
+    import jax
+    from _util import round_order
+    names = list(calls)
+
+    def run(fn, args):
+        jax.block_until_ready(fn(*args))
+    seq = [(n, functools.partial(run, *calls[n]))
+           for r in range(rounds) for n in round_order(names, r, seed=seed + 1)]
+    try:
+        got = device_times(seq, os.path.join("/tmp", f"jsp_device_rounds_{seed}"))
+    except Exception as e:
+        print(f"  device time: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return {}
+    spans = {n: [] for n in names}
+    for n, span, _, _ in got:
+        spans[n].append(span)
+    return {n: statistics.median(v) for n, v in spans.items()}

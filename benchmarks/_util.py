@@ -45,6 +45,33 @@ def round_order(names, r: int, seed: int = 0) -> list:
     return [names[i] for i in rng.permutation(len(names))]
 
 
+def sustained_rounds(calls: dict, rounds: int, target_ms: float, single_s: dict,
+                     seed: int = 0) -> dict:
+    """Median ms per call of each ``name: (fn, args)`` called back to back: each round (a
+    fresh order, ``round_order``) runs ``n`` calls of one function with one
+    synchronisation at the end, ``n`` such that the run lasts about ``target_ms`` (from
+    ``single_s[name]``, its single-call seconds), and divides.  So each call follows calls
+    of its own kind and the GPU is in the state such calls keep it in, as in a training
+    loop (at 64k-token attention an H200 runs at its 700 W cap, about 1.75 GHz against
+    1.98 when idle: RESULTS.md, "Packed documents, fourth pass"), and the host's round
+    trip is paid once per run.  ``{name: (ms, n)}``; ``{}`` when ``rounds`` is 0."""
+    if not rounds:
+        return {}
+    names = list(calls)
+    reps = {n: max(1, round(target_ms / (1e3 * single_s[n]))) for n in names}
+    ts = {n: [] for n in names}
+    for r in range(rounds):
+        for n in round_order(names, r, seed=seed + 2):
+            fn, args = calls[n]
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(reps[n]):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            ts[n].append((time.perf_counter() - t0) / reps[n])
+    return {n: (1e3 * statistics.median(ts[n]), reps[n]) for n in names}
+
+
 def peak_memory_bytes(device=None):
     """Peak bytes in use on ``device`` so far (None where the backend does not say)."""
     device = device or jax.devices()[0]

@@ -58,6 +58,7 @@ from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
+from _profile import device_rounds as device_rounds_  # noqa: E402
 from _util import env_info, out_dir, round_order, save_json, time_fn  # noqa: E402
 
 BUDGET = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -297,12 +298,14 @@ def bench(kernels, sizes, dims, rate):
     return rows
 
 
-def pair(kernels, sizes, dims, rounds=30):
+def pair(kernels, sizes, dims, rounds=30, device_rounds=0):
     """Forward and forward+backward of cuDNN and each backend, timed in rotation (one call
     of each per round, in a fresh seeded order every round: ``_util.round_order``) so that
     clock drift and each call's predecessor hit all alike;
     medians and the median of the per-round ratios to cuDNN (sequential rounds of 2-ms
-    kernels were seen to drift by 10-15% between runs)."""
+    kernels were seen to drift by 10-15% between runs).  ``device_rounds``: as many more
+    rounds under the profiler, the ratios of the median device times as well
+    (``_profile.device_rounds``: without the host's dispatch and round trip)."""
     rows = []
     names = ["cudnn"] + list(kernels)
     for S, D, causal in itertools.product(sizes, dims, (False, True)):
@@ -324,6 +327,8 @@ def pair(kernels, sizes, dims, rounds=30):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*a))
                 ts[key].append(time.perf_counter() - t0)
+        dev = device_rounds_({f"{n} {ph}": fns[(n, ph)] for n, ph in keys}, device_rounds,
+                             seed=S + D + causal)
         for n in names:
             row = dict(S=S, D=D, causal=causal, kernel=n, rounds=rounds)
             for ph, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
@@ -331,11 +336,18 @@ def pair(kernels, sizes, dims, rounds=30):
                 row[f"{ph}_ms"] = 1e3 * float(np.median(t))
                 row[f"{ph}_tflops"] = mult * fl / float(np.median(t)) / 1e12
                 row[f"{ph}_vs_cudnn"] = float(np.median(np.array(ts[("cudnn", ph)]) / t))
+                if f"{n} {ph}" in dev:
+                    row[f"{ph}_device_ms"] = dev[f"{n} {ph}"]
+                    row[f"{ph}_device_tflops"] = mult * fl / dev[f"{n} {ph}"] / 1e9
+                    row[f"{ph}_vs_cudnn_device"] = dev[f"cudnn {ph}"] / dev[f"{n} {ph}"]
             rows.append(row)
             print(f"pair S={S:6d} D={D:3d} causal={causal!s:5s} {n:12s} fwd "
                   f"{row['fwd_tflops']:6.1f} TFLOP/s ({row['fwd_vs_cudnn']:.3f}x cuDNN)  "
-                  f"fwd+bwd {row['fwdbwd_tflops']:6.1f} ({row['fwdbwd_vs_cudnn']:.3f}x)",
-                  flush=True)
+                  f"fwd+bwd {row['fwdbwd_tflops']:6.1f} ({row['fwdbwd_vs_cudnn']:.3f}x)"
+                  + (f"  device: fwd {row['fwd_device_tflops']:6.1f} "
+                     f"({row['fwd_vs_cudnn_device']:.3f}x) fwd+bwd "
+                     f"{row['fwdbwd_device_tflops']:6.1f} ({row['fwdbwd_vs_cudnn_device']:.3f}x)"
+                     if "fwdbwd_vs_cudnn_device" in row else ""), flush=True)
     return rows
 
 
@@ -438,6 +450,8 @@ def main():
     p.add_argument("--sizes", default="4096,16384,32768", help="sequence lengths for bench")
     p.add_argument("--bench-dims", default="64,128", help="head dims for bench")
     p.add_argument("--rounds", type=int, default=30, help="pair: timing rounds")
+    p.add_argument("--device-rounds", type=int, default=9,
+                   help="pair: rounds timed on the device's clock (profiler; GPU only)")
     p.add_argument("--ring-kernels", default="auto,pallas_mgpu,pallas",
                    help="ring: backends (kernel= of jsp.attention)")
     p.add_argument("--ring-seq", type=int, default=131072, help="ring: total tokens")
@@ -514,7 +528,8 @@ def main():
         names = (args.bench_kernels or "pallas_mgpu,pallas").split(",")
         result["pair"] = pair({n: kernels[n] for n in names if n in kernels},
                               [int(x) for x in args.sizes.split(",")],
-                              [int(x) for x in args.bench_dims.split(",")], args.rounds)
+                              [int(x) for x in args.bench_dims.split(",")], args.rounds,
+                              args.device_rounds if jax.default_backend() == "gpu" else 0)
         save_json(result, path)
     print("CHECKS:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

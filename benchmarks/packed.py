@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -76,7 +75,9 @@ from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.choose import choose_layout, segments_from_lengths  # noqa: E402
 from jax_seqpar.reference import reference_attention  # noqa: E402
-from _util import env_info, out_dir, pyplot, round_order, save_json  # noqa: E402
+from _profile import device_rounds  # noqa: E402
+from _util import (env_info, out_dir, pyplot, round_order, save_json,  # noqa: E402
+                   sustained_rounds)
 
 BF16 = jnp.bfloat16
 BUDGET = 2e-2
@@ -413,11 +414,10 @@ def run_bench(args, on_gpu, sizes):
                     jax.block_until_ready(ok[n](q, k, v, do, seg))
                     ts[n].append(time.perf_counter() - t0)
             base = "unpacked cudnn direct" if "unpacked cudnn direct" in ts else "unpacked auto"
-            dev = device_rounds(ok, (q, k, v, do, seg), args.device_rounds if on_gpu else 0,
-                                seed=S + mean)
-            sus = sustained_rounds(ok, (q, k, v, do, seg), args.sustained_rounds,
-                                   args.sustained_ms, {n: np.median(ts[n]) for n in names},
-                                   seed=S + mean)
+            calls = {n: (ok[n], (q, k, v, do, seg)) for n in names}
+            dev = device_rounds(calls, args.device_rounds if on_gpu else 0, seed=S + mean)
+            sus = sustained_rounds(calls, args.sustained_rounds, args.sustained_ms,
+                                   {n: np.median(ts[n]) for n in names}, seed=S + mean)
             for n in names:
                 t = np.array(ts[n])
                 flops = useful if fns[n][1] else full
@@ -454,56 +454,6 @@ def run_bench(args, on_gpu, sizes):
                          if "useful_vs_cudnn_device" in row else ""), flush=True)
         del q, k, v, do
     return rows
-
-
-def sustained_rounds(fns, args, rounds, target_ms, single_s, seed):
-    """Median ms per call of each function called back to back: each round (a fresh
-    order) runs ``n`` calls of one function with one synchronisation at the end, ``n``
-    such that the run lasts about ``target_ms`` (from ``single_s``, its single-call
-    seconds), and divides.  So each call follows calls of its own kind, and the GPU,
-    which at 64k tokens runs at its 700 W cap (about 1.75 GHz against 1.98 when idle),
-    is in the state that call keeps it in, as in a training loop; the host's round trip
-    is paid once per run.  ``{name: (ms, n)}``; ``{}`` when ``rounds`` is 0."""
-    if not rounds:
-        return {}
-    names = list(fns)
-    reps = {n: max(1, round(target_ms / (1e3 * single_s[n]))) for n in names}
-    ts = {n: [] for n in names}
-    for r in range(rounds):
-        for n in round_order(names, r, seed=seed + 2):
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(reps[n]):
-                out = fns[n](*args)
-            jax.block_until_ready(out)
-            ts[n].append((time.perf_counter() - t0) / reps[n])
-    return {n: (1e3 * float(np.median(ts[n])), reps[n]) for n in names}
-
-
-def device_rounds(fns, args, rounds, seed):
-    """Median device time (ms) of each function over ``rounds`` rounds in a fresh order
-    each round, from one profiler trace (``_profile.device_times``): each call is
-    synchronised, and its time runs from its first kernel's start to its last one's end.
-    The wall clock around one synchronised call adds the host's dispatch and round trip
-    (0.5-1 ms on the H200 machine: 14.2 ms against a 13.1 ms kernel span for one packed
-    64k call, RESULTS.md "fourth pass"), a larger share of a short call than of a long
-    one; the device time leaves it out of both.  ``{}`` when ``rounds`` is 0 or the
-    trace cannot be read (printed)."""
-    if not rounds:
-        return {}
-    from _profile import device_times
-    names = list(fns)
-    calls = [(n, functools.partial(lambda f: jax.block_until_ready(f(*args)), fns[n]))
-             for r in range(rounds) for n in round_order(names, r, seed=seed + 1)]
-    try:
-        got = device_times(calls, os.path.join("/tmp", f"jsp_packed_trace_{seed}"))
-    except Exception as e:
-        print(f"  device time: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return {}
-    spans = {n: [] for n in names}
-    for n, span, _, _ in got:
-        spans[n].append(span)
-    return {n: float(np.median(v)) for n, v in spans.items()}
 
 
 def per_document_grads(q, k, v, do, seg):

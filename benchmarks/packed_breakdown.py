@@ -15,7 +15,7 @@ same configuration elsewhere in the round; in a fresh order the two agree to 0.3
 Three clocks (RESULTS.md, "fourth pass"): every function once per round, synchronised
 (wall clock); ``--sustained-ms``: runs of back-to-back calls of about that length;
 ``--device-rounds``: rounds under the profiler, timed by the device's kernel spans
-(``_profile.device_times``).  The SM clock and board power of each function's calls
+(``_profile.device_rounds``).  The SM clock and board power of each function's calls
 are sampled alongside (``_util.ClockSampler``); ``--profile`` lists the kernels of one
 public packed call.
 
@@ -44,8 +44,8 @@ from jax_seqpar.kernels import PallasMgpuKernel
 from jax_seqpar.kernels.pallas_common import segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
 from jax_seqpar.masks import MaskSpec
+from _profile import device_rounds as device_rounds_
 from _util import ClockSampler, round_order
-from packed import device_rounds as packed_device_rounds
 from packed import lognormal_lengths, packed_ids, useful_pairs
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -110,7 +110,7 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
     """Time the calls above at ``S`` tokens, with the Hopper-kernel configurations
     ``names`` (of ``VARIANTS``), over ``rounds`` rounds; with ``sustained_ms`` also
     time each function in runs of back-to-back calls of about that many milliseconds;
-    with ``device_rounds`` time that many rounds on the device's clock (``packed.
+    with ``device_rounds`` time that many rounds on the device's clock (``_profile.
     device_rounds``); with ``profile`` list the device kernels of one public packed call."""
     q, k, v, do, seg = inputs(S)
     pos = jnp.arange(S, dtype=jnp.int32)
@@ -194,7 +194,7 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
                  + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
                     if "useful_vs_cudnn" in row else ""))
     if device_rounds:
-        dev = packed_device_rounds(ok, args, device_rounds, seed=S)
+        dev = device_rounds_({n: (f, args) for n, f in ok.items()}, device_rounds, seed=S)
         base = dev.get("cudnn unpacked fwd+bwd")
         for n, t in dev.items():
             row = dict(S=S, name=n, timing="device", calls=1, ms=t)

@@ -76,12 +76,14 @@ def test_sustained_and_device_rounds_on_cpu(capsys):
     f = jax.jit(lambda x: x * 2)
     g = jax.jit(lambda x: jnp.sin(x))
     x = jnp.ones(8)
-    got = packed.sustained_rounds({"f": f, "g": g}, (x,), 2, 10.0, {"f": 1e-3, "g": 2e-3},
-                                  seed=0)
+    import _profile
+    import _util
+    calls = {"f": (f, (x,)), "g": (g, (x,))}
+    got = _util.sustained_rounds(calls, 2, 10.0, {"f": 1e-3, "g": 2e-3}, seed=0)
     assert got["f"][1] == 10 and got["g"][1] == 5 and got["f"][0] > 0
-    assert packed.sustained_rounds({"f": f}, (x,), 0, 10.0, {"f": 1e-3}, seed=0) == {}
+    assert _util.sustained_rounds(calls, 0, 10.0, {"f": 1e-3, "g": 1e-3}) == {}
     # no device kernels in a CPU trace: no device times, and it says so
-    assert packed.device_rounds({"f": f}, (x,), 1, seed=0) == {}
+    assert _profile.device_rounds(calls, 1, seed=0) == {}
     assert "device time: FAILED" in capsys.readouterr().out
 
 
