@@ -26,6 +26,12 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   columns over all the CTA's keys: half the accumulator registers and half the
   reduce-adds, FlashAttention-3's split for D = 128.
 
+* With ``MgpuConfig.overlap_bwd`` (the default at D = 128) each consumer of the two
+  kernels issues its two score-sized products together and waits for the first alone
+  (``wgmma_accumulator_load(wait_n=1)``), so ``P`` is formed while ``dP`` runs and, in
+  the dK/dV kernel, ``dS`` while ``dV`` runs: FlashAttention-3's overlap within one
+  warpgroup (§3.2), the same arithmetic in the same order (bit-identical gradients).
+
 The first ``n_full`` entries of each tile-list row run without mask code, the rest
 evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
 (they saw nothing) give ``P = 0``.  dK and dV (and dQ of the two-kernel path) come back
@@ -68,6 +74,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                          f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
     half = D // 2
     c = scale * LOG2E
+    overlap = config.overlap_bwd and not with_dq
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
@@ -95,7 +102,46 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
+            def step_overlap(t, carry, hh, masked_tile):
+                # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
+                dk, dv = carry
+                slot = lax.rem(hh * count + t, jnp.int32(stages))
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+
+                def body(refs):
+                    dv_ref, dk_ref, s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.barrier_wait(lse_ready.at[slot])
+                    lse = _load(lse_smem.at[slot], COL, gmem=False)
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
+                    if masked_tile:
+                        start = tbl_ref[b, blk, t + 2] * bq
+                        qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
+                        qseg = (_load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg
+                                else None)
+                        ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
+                        if ok is not None:
+                            s = jnp.where(ok, s, -jnp.inf)
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                    plgpu.barrier_wait(dl_ready.at[slot])
+                    dl = _load(dl_smem.at[slot], COL, gmem=False)
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
+                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
+                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
+                dv, dk, _, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                                   plgpu.ACC.init(zeros),
+                                                   plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(do_free.at[slot])
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
             def step(t, carry, hh, masked_tile):
+                if overlap:
+                    return step_overlap(t, carry, hh, masked_tile)
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
                 plgpu.barrier_wait(q_ready.at[slot])
@@ -304,7 +350,46 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
             plgpu.barrier_wait(q_ready.at[wg])
 
+            def step_overlap(t, dq, masked_tile):
+                # S and dP issued together; P formed while dP runs
+                slot = lax.rem(t, jnp.int32(stages))
+                zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
+
+                def body(refs):
+                    dq_ref_, s_ref, dp_ref = refs
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.wgmma(s_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.wgmma(dp_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S done
+                    ok = visible(t) if masked_tile else None
+                    if ok is not None:
+                        s = jnp.where(ok, s, -jnp.inf)
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)  # dP done
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
+                    plgpu.wgmma(dq_ref_, ds.astype(dtype), k_smem.at[slot])
+                dq, _, _ = pl.run_state(body)((plgpu.ACC.init(dq), plgpu.ACC.init(zeros),
+                                               plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            def visible(t):
+                """The tile's mask (or None) from global positions, ids, padded keys."""
+                start = tbl_ref[b, cta, t + 2] * bk
+                shape = (bq, bk)
+                kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None)
+                pad = None
+                if pad_keys:
+                    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                    pad = col + start < Tk
+                return tile_visible(mask, qpos, kpos, qseg, kseg, 0, shape, extra=pad)
+
             def step(t, dq, masked_tile):
+                if config.overlap_bwd:
+                    return step_overlap(t, dq, masked_tile)
                 slot = lax.rem(t, jnp.int32(stages))
                 plgpu.barrier_wait(k_ready.at[slot])
 

@@ -41,6 +41,11 @@ class MgpuConfig:
     as fully visible (mask-free loop): ``pallas_common.tile_lists``; the kernels are the
     same either way.  False restores the lists of before (every position-visible tile,
     segments masked in each), a fallback should the skipping misbehave on a GPU.
+    ``overlap_bwd`` (the two-kernel backward): each consumer issues its two score-sized
+    products (``S`` and ``dP``) back to back and waits for the first alone, so the
+    exponentials of ``P`` run while ``dP`` is still on the tensor cores, and (dK/dV) the
+    ``dV`` product runs while ``dS`` is formed -- FlashAttention-3's overlap within one
+    warpgroup (Shah et al., 2024, §3.2), by ``wgmma_accumulator_load(wait_n=1)``.
     """
 
     block_q: int = 64
@@ -53,16 +58,17 @@ class MgpuConfig:
     atomic_dq: bool = False
     split_dq: bool = False
     segment_skip: bool = True
+    overlap_bwd: bool = False
 
     def __post_init__(self):
-        for name in ("atomic_dq", "split_dq", "segment_skip"):
+        for name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
         for f in dataclasses.fields(self):
-            if f.name in ("atomic_dq", "split_dq", "segment_skip"):
+            if f.name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -84,11 +90,16 @@ class MgpuConfig:
 #: D = 64 it lifts the backward from 0.82-0.89x cuDNN to 0.96-1.00x; at D = 128 it loses
 #: (0.69-0.80x against the two kernels' 0.88-0.96x), and ``split_dq`` recovers most but
 #: not all of it (0.85 / 0.92x against 0.88 / 0.95x in one run), so D = 128 keeps the two
-#: kernels.  D = 256 runs the Triton backward (the Mosaic GPU one does not fit shared
-#: memory), so its backward fields are unused.
+#: kernels, with ``overlap_bwd`` (results/kernels_ovl_pair2_h200.log, on the device's
+#: clock at 16k: fwd+bwd 0.906x cuDNN against 0.887 / 0.903x without, causal 0.964x
+#: against 0.915 / 0.928x; packed 64k and 16k 1-2% faster in all six comparisons,
+#: gradients bit-identical; at D = 64 it does not beat the atomic dQ).  D = 256 runs the
+#: Triton backward (the Mosaic GPU one does not fit shared memory), so its backward
+#: fields are unused.
 DEFAULT_MGPU_CONFIGS = {
     64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
-    128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128),
+    128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128,
+                    overlap_bwd=True),
     256: MgpuConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
