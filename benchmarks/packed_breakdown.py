@@ -156,6 +156,7 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
         "two_kernel_dq": cfg,
         "split_dq": dataclasses.replace(cfg, atomic_dq=True, split_dq=True),
         "overlap_bwd": dataclasses.replace(cfg, overlap_bwd=True),
+        "no_overlap": dataclasses.replace(cfg, overlap_bwd=False),
         "dq_kv64": dataclasses.replace(cfg, block_kv_dq=64),
         "fwd_kv64_s4": dataclasses.replace(cfg, block_kv=64, num_stages=4),
         "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
@@ -228,7 +229,8 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
                  f" dv {rel(g[2], g0[2]):.2e}")
 
 
-VARIANTS = ["two_kernel_dq", "split_dq", "overlap_bwd", "dq_kv64", "fwd_kv64_s4", "dq_kv64_fwd_kv64_s4"]
+VARIANTS = ["two_kernel_dq", "split_dq", "overlap_bwd", "no_overlap", "dq_kv64", "fwd_kv64_s4",
+            "dq_kv64_fwd_kv64_s4"]
 
 
 def main():
