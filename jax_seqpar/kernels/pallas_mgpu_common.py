@@ -45,7 +45,9 @@ class MgpuConfig:
     products (``S`` and ``dP``) back to back and waits for the first alone, so the
     exponentials of ``P`` run while ``dP`` is still on the tensor cores, and (dK/dV) the
     ``dV`` product runs while ``dS`` is formed -- FlashAttention-3's overlap within one
-    warpgroup (Shah et al., 2024, §3.2), by ``wgmma_accumulator_load(wait_n=1)``.
+    warpgroup (Shah et al., 2024, §3.2), by ``wgmma_accumulator_load(wait_n=1)``.  The
+    atomic-dQ kernel ignores it (the same overlap there, with dQ's accumulator beside dK's
+    and dV's, was 3-13% slower: RESULTS.md).
     """
 
     block_q: int = 64
