@@ -102,6 +102,14 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
+            def mask_scores(s, t):
+                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``."""
+                start = tbl_ref[b, blk, t + 2] * bq
+                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
+                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg else None
+                ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
+                return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
             def step_overlap(t, carry, hh, masked_tile):
                 # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
                 dk, dv = carry
@@ -118,13 +126,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     lse = _load(lse_smem.at[slot], COL, gmem=False)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
                     if masked_tile:
-                        start = tbl_ref[b, blk, t + 2] * bq
-                        qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
-                        qseg = (_load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg
-                                else None)
-                        ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
-                        if ok is not None:
-                            s = jnp.where(ok, s, -jnp.inf)
+                        s = mask_scores(s, t)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
@@ -153,13 +155,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
                 if masked_tile:
-                    start = tbl_ref[b, blk, t + 2] * bq
-                    qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
-                    qseg = (_load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg
-                            else None)
-                    ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
-                    if ok is not None:
-                        s = jnp.where(ok, s, -jnp.inf)
+                    s = mask_scores(s, t)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
 
@@ -397,19 +393,9 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     plgpu.wgmma(acc_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
-                if masked_tile:
-                    start = tbl_ref[b, cta, t + 2] * bk
-                    shape = (bq, bk)
-                    kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
-                    kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg
-                            else None)
-                    pad = None
-                    if pad_keys:
-                        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                        pad = col + start < Tk
-                    ok = tile_visible(mask, qpos, kpos, qseg, kseg, 0, shape, extra=pad)
-                    if ok is not None:
-                        s = jnp.where(ok, s, -jnp.inf)
+                ok = visible(t) if masked_tile else None
+                if ok is not None:
+                    s = jnp.where(ok, s, -jnp.inf)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
