@@ -45,31 +45,50 @@ def round_order(names, r: int, seed: int = 0) -> list:
     return [names[i] for i in rng.permutation(len(names))]
 
 
-def sustained_rounds(calls: dict, rounds: int, target_ms: float, single_s: dict,
-                     seed: int = 0) -> dict:
-    """Median ms per call of each ``name: (fn, args)`` called back to back: each round (a
-    fresh order, ``round_order``) runs ``n`` calls of one function with one
-    synchronisation at the end, ``n`` such that the run lasts about ``target_ms`` (from
-    ``single_s[name]``, its single-call seconds), and divides.  So each call follows calls
-    of its own kind and the GPU is in the state such calls keep it in, as in a training
-    loop (at 64k-token attention an H200 runs at its 700 W cap, about 1.75 GHz against
-    1.98 when idle: RESULTS.md, "Packed documents, fourth pass"), and the host's round
-    trip is paid once per run.  ``{name: (ms, n)}``; ``{}`` when ``rounds`` is 0."""
-    if not rounds:
-        return {}
+def timed_rounds(calls: dict, rounds: int, reps=None, seed: int = 0, clock=None) -> dict:
+    """Median ms per call of each ``name: (fn, args)`` over ``rounds`` rounds in a fresh
+    order each round (``round_order``): each round runs ``reps[name]`` calls (default 1)
+    back to back with one synchronisation at the end, and divides.  With a running
+    ``ClockSampler`` also the mean SM clock and board power over each function's runs.
+    ``{name: {"ms", "calls", "sm_mhz", "power_w"}}`` (the last two None without samples)."""
     names = list(calls)
-    reps = {n: max(1, round(target_ms / (1e3 * single_s[n]))) for n in names}
+    reps = reps or {}
     ts = {n: [] for n in names}
+    spans = {n: [] for n in names}
     for r in range(rounds):
-        for n in round_order(names, r, seed=seed + 2):
+        for n in round_order(names, r, seed=seed):
             fn, args = calls[n]
+            k = reps.get(n, 1)
             t0 = time.perf_counter()
             out = None
-            for _ in range(reps[n]):
+            for _ in range(k):
                 out = fn(*args)
             jax.block_until_ready(out)
-            ts[n].append((time.perf_counter() - t0) / reps[n])
-    return {n: (1e3 * statistics.median(ts[n]), reps[n]) for n in names}
+            t1 = time.perf_counter()
+            ts[n].append((t1 - t0) / k)
+            spans[n].append((t0, t1))
+    res = {}
+    for n in names:
+        cs = [c for c in (clock.mean(a, b) for a, b in spans[n])
+              if c["n"]] if clock is not None else []
+        res[n] = {"ms": 1e3 * statistics.median(ts[n]), "calls": reps.get(n, 1),
+                  "sm_mhz": statistics.fmean(c["sm_mhz"] for c in cs) if cs else None,
+                  "power_w": statistics.fmean(c["power_w"] for c in cs) if cs else None}
+    return res
+
+
+def sustained_rounds(calls: dict, rounds: int, target_ms: float, single_s: dict,
+                     seed: int = 0, clock=None) -> dict:
+    """``timed_rounds`` with each function called back to back for about ``target_ms``
+    per round (``n`` calls from ``single_s[name]``, its single-call seconds).  So each call
+    follows calls of its own kind and the GPU is in the state such calls keep it in, as
+    in a training loop (at 64k-token attention an H200 runs at its 700 W cap, about 1.75
+    GHz against 1.98 when idle: RESULTS.md, "Packed documents, fourth pass"), and the
+    host's round trip is paid once per run.  ``{}`` when ``rounds`` is 0."""
+    if not rounds:
+        return {}
+    reps = {n: max(1, round(target_ms / (1e3 * single_s[n]))) for n in calls}
+    return timed_rounds(calls, rounds, reps, seed=seed + 2, clock=clock)
 
 
 def peak_memory_bytes(device=None):

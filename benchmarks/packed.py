@@ -430,10 +430,10 @@ def run_bench(args, on_gpu, sizes):
                     row["speedup_vs_cudnn"] = float(np.median(tb / t))
                     row["useful_vs_cudnn_rate"] = float(np.median((useful / t) / (full / tb)))
                 if n in sus:
-                    row["sustained_ms"], row["sustained_calls"] = sus[n]
+                    row["sustained_ms"], row["sustained_calls"] = sus[n]["ms"], sus[n]["calls"]
                     if base in sus:  # the bar in the steady state of each call
-                        row["useful_vs_cudnn_sustained"] = ((useful / sus[n][0])
-                                                            / (full / sus[base][0]))
+                        row["useful_vs_cudnn_sustained"] = ((useful / sus[n]["ms"])
+                                                            / (full / sus[base]["ms"]))
                 if n in dev:
                     row["device_ms"] = dev[n]
                     if base in dev:  # the same ratio on the device's own time

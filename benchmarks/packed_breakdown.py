@@ -45,7 +45,7 @@ from jax_seqpar.kernels.pallas_common import segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
 from jax_seqpar.masks import MaskSpec
 from _profile import device_rounds as device_rounds_
-from _util import ClockSampler, round_order
+from _util import ClockSampler, timed_rounds
 from packed import lognormal_lengths, packed_ids, useful_pairs
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -72,38 +72,6 @@ def inputs(S):
 def rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def timed(fns, args, rounds, clk, reps=None):
-    """Median ms per call of each function over ``rounds`` rounds in a fresh order each
-    round (``_util.round_order``), and the mean SM clock / power over its timed calls.
-    ``reps`` (name -> n): "sustained" timing, ``n`` calls back to back per round, timed
-    together (one sync at the end), so that a call follows calls of its own kind; else
-    one call per round, synchronised."""
-    names = list(fns)
-    ts = {n: [] for n in names}
-    spans = {n: [] for n in names}
-    for n in names:
-        jax.block_until_ready(fns[n](*args))
-    for r in range(rounds):
-        for n in round_order(names, r):
-            k = reps[n] if reps else 1
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(k):
-                out = fns[n](*args)
-            jax.block_until_ready(out)
-            t1 = time.perf_counter()
-            ts[n].append((t1 - t0) / k)
-            spans[n].append((t0, t1))
-    res_ = {}
-    for n in names:
-        cs = [clk.mean(a, b) for a, b in spans[n]]
-        cs = [c for c in cs if c["n"]]
-        res_[n] = dict(ms=1e3 * float(np.median(ts[n])),
-                       sm_mhz=float(np.mean([c["sm_mhz"] for c in cs])) if cs else None,
-                       power_w=float(np.mean([c["power_w"] for c in cs])) if cs else None)
-    return res_
 
 
 def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0):
@@ -175,18 +143,21 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
         except Exception as e:
             note(f"S={S} {n} FAILED {type(e).__name__}: {str(e)[:300]}")
     args = (q, k, v, do, seg)
+    calls = {n: (f, args) for n, f in ok.items()}
+    for f, a in calls.values():  # warm
+        jax.block_until_ready(f(*a))
     modes = [("single", None)]
     if sustained_ms:
-        single = timed(ok, args, 1, ClockSampler())
+        single = timed_rounds(calls, 1)
         modes.append(("sustained", {n: max(1, round(sustained_ms / single[n]["ms"]))
                                     for n in ok}))
     for mode, reps in modes:
         with ClockSampler() as clk:
-            ms = timed(ok, args, rounds, clk, reps)
+            ms = timed_rounds(calls, rounds, reps, clock=clk)
         base = ms.get("cudnn unpacked fwd+bwd", {}).get("ms")
         for n, m in ms.items():
             t = m["ms"]
-            row = dict(S=S, name=n, timing=mode, calls=reps[n] if reps else 1, **m)
+            row = dict(S=S, name=n, timing=mode, **m)
             if n.startswith("api fwd+bwd") and base:
                 row["useful_vs_cudnn"] = (useful / t) / (3.5 * 2 * H * D * float(S) ** 2 / base)
             res["rows"].append(row)
@@ -196,7 +167,7 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
                  + (f"  useful/cuDNN {100 * row['useful_vs_cudnn']:.1f}%"
                     if "useful_vs_cudnn" in row else ""))
     if device_rounds:
-        dev = device_rounds_({n: (f, args) for n, f in ok.items()}, device_rounds, seed=S)
+        dev = device_rounds_(calls, device_rounds, seed=S)
         base = dev.get("cudnn unpacked fwd+bwd")
         for n, t in dev.items():
             row = dict(S=S, name=n, timing="device", calls=1, ms=t)

@@ -80,7 +80,8 @@ def test_sustained_and_device_rounds_on_cpu(capsys):
     import _util
     calls = {"f": (f, (x,)), "g": (g, (x,))}
     got = _util.sustained_rounds(calls, 2, 10.0, {"f": 1e-3, "g": 2e-3}, seed=0)
-    assert got["f"][1] == 10 and got["g"][1] == 5 and got["f"][0] > 0
+    assert got["f"]["calls"] == 10 and got["g"]["calls"] == 5 and got["f"]["ms"] > 0
+    assert got["f"]["sm_mhz"] is None  # no clock sampler given
     assert _util.sustained_rounds(calls, 0, 10.0, {"f": 1e-3, "g": 1e-3}) == {}
     # no device kernels in a CPU trace: no device times, and it says so
     assert _profile.device_rounds(calls, 1, seed=0) == {}
