@@ -28,11 +28,12 @@ failures, and each starts only while the time budget allows):
   per-round ratios; then ``--sustained-rounds`` (5) rounds of back-to-back calls,
   about ``--sustained-ms`` (300) of one function at a time with one synchronisation
   (``sustained``: each call in the clock state that calls of its kind keep the GPU in,
-  as in a training loop; the issue's bar is read on these), and ``--device-rounds``
-  (5) rounds under the profiler, whose
+  as in a training loop), and ``--device-rounds`` (5) rounds under the profiler, whose
   device times (first kernel's start to last kernel's end of each synchronised call)
   leave out the host's dispatch and round trip that the wall clock adds to every call
-  (``device ms``, and the bar's ratio on them).  Useful TFLOP/s count the within-document causal FLOPs,
+  (``device ms``, and the bar's ratio on them: the issue's bar is a rate, so it is read
+  on these; RESULTS.md, "fourth pass").  Useful TFLOP/s count the within-document causal
+  FLOPs,
   ``3.5 * 2 * H * D * sum(L^2)`` (FlashAttention's convention: half of ``4 H D L^2``
   forward, the backward 2.5x); the unpacked calls are counted on their own causal FLOPs.
   ``useful / cuDNN`` is the issue's bar (>= 70% at 64k, >= 60% at 16k).
