@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.comm import collective_bytes  # noqa: E402
+from jax_seqpar.runtime.comm import collective_bytes  # noqa: E402
 from jax_seqpar.kernels import PallasKernel, XlaKernel  # noqa: E402
 from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
 from jax_seqpar.parallel.ring import ring_shape  # noqa: E402

@@ -35,7 +35,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 from jax_seqpar.kernels import XlaKernel  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss  # noqa: E402
-from jax_seqpar.remat import ring_transfer_counts  # noqa: E402
+from jax_seqpar.layers.remat import ring_transfer_counts  # noqa: E402
 from _util import (choose_preset, env_info, out_dir, progress, pyplot, rel,  # noqa: E402
                    save_json, time_fn)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.comm import analyze_hlo  # noqa: E402
+from jax_seqpar.runtime.comm import analyze_hlo  # noqa: E402
 from jax_seqpar.decode import decode_kernel_name  # noqa: E402
 from jax_seqpar.kernels import PallasDecodeKernel, XlaDecodeKernel, XlaKernel  # noqa: E402
 from _util import (choose_preset, env_info, out_dir, pyplot, rel, replot, save_json,  # noqa: E402

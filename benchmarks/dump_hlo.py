@@ -1,6 +1,6 @@
 """Dump the compiled HLO of the ring backward (both schemes) and its collective report.
 
-Used to check ``jax_seqpar.comm`` against what a given backend's compiler emits:
+Used to check ``jax_seqpar.runtime.comm`` against what a given backend's compiler emits:
     python benchmarks/dump_hlo.py  [writes $OUT or benchmarks/out/hlo_*.txt]
 """
 
@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.comm import analyze_hlo, compiled_text  # noqa: E402
+from jax_seqpar.runtime.comm import analyze_hlo, compiled_text  # noqa: E402
 from jax_seqpar.parallel.costs import backward_bytes  # noqa: E402
 from jax_seqpar.parallel.ring import ring_shape  # noqa: E402
 

@@ -157,7 +157,7 @@ def train_step(cfg, params, mesh, args) -> dict:
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
+    from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
     from jax_seqpar.models import Llama, next_token_loss
     from jax_seqpar.training import TrainState, make_train_step
     from _util import peak_memory_bytes

@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jax_seqpar.lm_head import fused_lm_head_loss, reference_lm_head_loss  # noqa: E402
+from jax_seqpar.layers.lm_head import fused_lm_head_loss, reference_lm_head_loss  # noqa: E402
 from _util import env_info, save_json, time_fn  # noqa: E402
 
 F32 = jnp.float32
@@ -88,7 +88,7 @@ def chunked_loss(h, w, t, chunk):
 
 def default_chunk(S, V, block_s):
     """The chunk of ``chunked``: ``block_s`` or the fused default's row tile, dividing S."""
-    from jax_seqpar.lm_head import TILE_ELEMENTS
+    from jax_seqpar.layers.lm_head import TILE_ELEMENTS
     c = block_s or max(256, TILE_ELEMENTS // V // 256 * 256)
     c = min(c, S)
     while S % c:

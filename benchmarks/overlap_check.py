@@ -4,7 +4,7 @@ Compiles the forward and backward of the 1-D ring (``--strategy ring``) or of th
 double ring (``--strategy double_ring``: ``--nodes`` x G/nodes devices, axes ("node",
 "local"), BurstEngine §3.1 Fig. 4-5) over every device present (8 simulated CPU devices
 without an accelerator) and prints, per collective, its mesh axis and what the scheduled
-HLO puts in its window (``jax_seqpar.overlap``): on GPUs the instructions between each
+HLO puts in its window (``jax_seqpar.runtime.overlap``): on GPUs the instructions between each
 ``collective-permute-start`` and its ``-done``; on CPU, whose collectives are
 synchronous, those between the collective and its first user; and the kernel compute
 scheduled before a kernel reads its data (``until_needed``).  Exits non-zero when an
@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.overlap import overlap_report  # noqa: E402
+from jax_seqpar.runtime.overlap import overlap_report  # noqa: E402
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ One AdamW training step (forward, backward, update) of ``models.Llama`` with the
 sequence sharded over G devices (ring attention, zigzag, ``backward="auto"``,
 ``kernel="auto"``, a remat policy), bf16 compute with float32 master weights and
 optimizer state, and parameters + gradients + optimizer state either fully sharded over
-the same devices (``--params fsdp``, ``jax_seqpar.fsdp``: XLA gathers each weight where a
+the same devices (``--params fsdp``, ``jax_seqpar.sharding.fsdp``: XLA gathers each weight where a
 layer uses it) or replicated (``--params replicated``).
 
 Model FLOPs per token (counted, not measured; no recomputation counted):
@@ -32,7 +32,7 @@ still visit the cross-document tiles that the mask empties (skipping them is the
 document-aware attention issue), so packed MFU below unpacked MFU is that waste.
 
 **Memory and remat switches** (issue 30): ``--remat`` takes one or more entries,
-comma-separated, each a ``jax_seqpar.remat.REMAT_MODES`` name, ``+offload`` appended to
+comma-separated, each a ``jax_seqpar.layers.remat.REMAT_MODES`` name, ``+offload`` appended to
 move what that policy saves (and each block's input) to host memory until the backward
 (``LlamaConfig.remat_offload``); every entry is one row.  ``--memory-account`` prints,
 per row, what the state, the gradients and the saved residuals take (counted from the
@@ -72,9 +72,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar.fsdp import bytes_per_device  # noqa: E402
+from jax_seqpar.sharding.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
-from jax_seqpar.remat import REMAT_MODES  # noqa: E402
+from jax_seqpar.layers.remat import REMAT_MODES  # noqa: E402
 from jax_seqpar.training import (OPT_MEMORY, abstract_train_state,  # noqa: E402
                                  init_train_state, make_train_step, shardings_of)
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402

@@ -73,7 +73,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                f" --xla_force_host_platform_device_count={ARGS.devices or 8}")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax_seqpar.distributed as jd  # noqa: E402
+import jax_seqpar.runtime.distributed as jd  # noqa: E402
 
 # Several processes (python -m jax_seqpar launch, SLURM, ...): join them before JAX
 # starts its backends; a no-op for a single process.

@@ -1,6 +1,5 @@
 """jax_seqpar: sequence-parallel exact attention for JAX."""
 
-from jax_seqpar import distributed  # noqa: F401  (jax_seqpar.distributed.initialize())
 from jax_seqpar import kernels as _kernels  # noqa: F401  (registers the backends)
 from jax_seqpar.api import attention
 from jax_seqpar.decode import allgather_decode, ring_decode, tree_decode

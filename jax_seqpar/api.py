@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
@@ -235,7 +235,7 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
                   "ulysses": ulysses_attention_with_config,
                   "usp": usp_attention_with_config,
                   "double_ring": double_ring_attention_with_config,
-                  # not a public strategy: jax_seqpar.remat.seq_selective_attention
+                  # not a public strategy: jax_seqpar.layers.remat.seq_selective_attention
                   "ring_selective": selective_ring_attention_with_config}[strategy]
     seq = P(None, cfg.axis_name)
     fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,

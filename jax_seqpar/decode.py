@@ -24,7 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.api import check_nonempty
 from jax_seqpar.kernels.base import KernelRequest, default_platform
 from jax_seqpar.kernels.pallas_decode import PallasDecodeKernel

@@ -55,7 +55,7 @@ def fwd_bwd(mesh, name):
 
 def run(mesh) -> dict:
     """Every case on ``mesh``: ``{"<case>/<out|dq|dk|dv>": host array}`` (all processes)."""
-    import jax_seqpar.distributed as jd
+    import jax_seqpar.runtime.distributed as jd
     from jax.sharding import PartitionSpec as P
 
     q, k, v, do = jd.from_host(host_inputs(), mesh, P(None, "sp"))
@@ -70,7 +70,7 @@ def run(mesh) -> dict:
 
 
 def main(out_path: str) -> int:
-    import jax_seqpar.distributed as jd
+    import jax_seqpar.runtime.distributed as jd
 
     info = jd.initialize()  # before anything asks JAX for devices
     assert jd.initialize() == info, "a second initialize() must return the same info"

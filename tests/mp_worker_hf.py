@@ -11,7 +11,7 @@ import sys
 
 
 def main(src: str, dst: str) -> int:
-    import jax_seqpar.distributed as jd
+    import jax_seqpar.runtime.distributed as jd
 
     info = jd.initialize()
     import jax

@@ -95,7 +95,7 @@ def run(mesh) -> dict:
     import jax
     from jax.sharding import PartitionSpec as P
 
-    import jax_seqpar.distributed as jd
+    import jax_seqpar.runtime.distributed as jd
 
     params = jd.from_host(host_params(), mesh, P())  # replicated on every device
     tokens, targets = jd.from_host(host_batch(), mesh, P(None, "sp"))
@@ -110,7 +110,7 @@ def run(mesh) -> dict:
 
 
 def main(out_path: str) -> int:
-    import jax_seqpar.distributed as jd
+    import jax_seqpar.runtime.distributed as jd
 
     info = jd.initialize()
     import jax

@@ -8,7 +8,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.parallel.costs import RingShape, backward_bytes, choose_backward
 
 F32, BF16 = jnp.float32, jnp.bfloat16

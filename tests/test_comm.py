@@ -1,4 +1,4 @@
-"""Collective accounting (jax_seqpar.comm) and the ring forward's exact volume."""
+"""Collective accounting (jax_seqpar.runtime.comm) and the ring forward's exact volume."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar._compat import shard_map
-from jax_seqpar.comm import analyze_hlo, collective_bytes
+from jax_seqpar.runtime._compat import shard_map
+from jax_seqpar.runtime.comm import analyze_hlo, collective_bytes
 from jax_seqpar.parallel.costs import RingShape, forward_bytes
 
 

@@ -19,8 +19,8 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar import _compat
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime import _compat
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.kernels import base
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest
 from jax_seqpar.kernels.cudnn import CudnnKernel, cudnn_mask

@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 DECODERS = {"tree": jsp.tree_decode, "ring": jsp.ring_decode, "allgather": jsp.allgather_decode}

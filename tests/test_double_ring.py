@@ -3,7 +3,7 @@
 Each configuration compiles two programs once (the forward with its residuals, and the
 backward); the same compiled programs give the numerics (outputs and gradients against
 the dense reference), the bytes per mesh axis (to the byte, ``costs.bytes_per_axis``)
-and the overlap windows of the scheduled HLO (``jax_seqpar.overlap``).  Small shapes:
+and the overlap windows of the scheduled HLO (``jax_seqpar.runtime.overlap``).  Small shapes:
 S = 64 tokens on 8 devices, D = 8.
 """
 
@@ -16,10 +16,10 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.comm import analyze_hlo
+from jax_seqpar.runtime.comm import analyze_hlo
 from jax_seqpar.layouts import permute_sequence, unpermute_sequence
 from jax_seqpar.masks import MaskSpec
-from jax_seqpar.overlap import overlap_windows
+from jax_seqpar.runtime.overlap import overlap_windows
 from jax_seqpar.parallel.costs import (AttnShape, DoubleRingShape, backward_bytes,
                                        bytes_per_axis, choose_backward, double_ring_bytes)
 from jax_seqpar.parallel.schedule import double_ring_schedule
@@ -264,7 +264,7 @@ def test_per_device_function_in_a_users_shard_map():
     """``parallel.double_ring_attention`` inside one's own ``shard_map`` over the tuple
     of axes (shard ``n * Ni + l`` on device ``(n, l)``): the forward equals the reference."""
     from jax.sharding import PartitionSpec as P
-    from jax_seqpar._compat import place, shard_map
+    from jax_seqpar.runtime._compat import place, shard_map
     from jax_seqpar.parallel import double_ring_attention
     q, k, v = helpers.make_qkv(3, B=B, S=S, Hq=2, Hkv=2, D=D)
     mesh = _mesh((2, 4))

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
-from jax_seqpar.fsdp import bytes_per_device, fsdp_shardings, fsdp_spec, replicated_shardings
+from jax_seqpar.sharding.fsdp import bytes_per_device, fsdp_shardings, fsdp_spec, replicated_shardings
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss
 
 

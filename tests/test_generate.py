@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.generate import CACHE_ALIGN, generate, generator_for, make_plan
 from jax_seqpar.models.hf import load_pretrained

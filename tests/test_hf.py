@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from helpers import assert_close
-from jax_seqpar.fsdp import fsdp_shardings
+from jax_seqpar.sharding.fsdp import fsdp_shardings
 from jax_seqpar.layers.rope import RopeScaling
 from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.hf import (checkpoint_tensors, load_pretrained, save_pretrained,

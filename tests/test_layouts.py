@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.kernels import XlaKernel
 from jax_seqpar.layouts import (permutation, permute_sequence, shard_positions,
                                 unpermute_sequence)

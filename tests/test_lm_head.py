@@ -13,7 +13,7 @@ import pytest
 
 from helpers import assert_close
 from jax_seqpar.layouts import permutation
-from jax_seqpar.lm_head import fused_lm_head_loss, reference_lm_head_loss
+from jax_seqpar.layers.lm_head import fused_lm_head_loss, reference_lm_head_loss
 from jax_seqpar.models import Llama, LlamaConfig, head_weights, next_token_loss
 
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -1,5 +1,5 @@
 """Several processes, one mesh: ``python -m jax_seqpar launch`` and
-``jax_seqpar.distributed``.
+``jax_seqpar.runtime.distributed``.
 
 The multi-process runs start 2 local processes x 4 simulated CPU devices (gloo
 collectives) through the launcher; the workers (``mp_worker_*.py``) gather their results
@@ -25,8 +25,8 @@ import pytest
 import mp_worker_attention as att_worker
 import mp_worker_train as train_worker
 from helpers import assert_close, make_mesh, reference_fwd_bwd, rel_err
-from jax_seqpar import distributed as jd
-from jax_seqpar.launch import TIMEOUT_EXIT, _with_device_count, launch, process_envs
+from jax_seqpar.runtime import distributed as jd
+from jax_seqpar.runtime.launch import TIMEOUT_EXIT, _with_device_count, launch, process_envs
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -338,7 +338,7 @@ def test_from_host_and_to_host_single_process():
         jd.from_host(x, mesh, "sp")
 
 
-_QUIET_CHILD = ("import jax_seqpar.distributed as jd; info = jd.initialize(); import jax; "
+_QUIET_CHILD = ("import jax_seqpar.runtime.distributed as jd; info = jd.initialize(); import jax; "
                 "from jax._src.distributed import global_state as g; "
                 "print('ok', info.process_index, len(jax.devices()), flush=True); ")
 

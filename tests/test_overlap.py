@@ -12,7 +12,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.overlap import overlap_report, overlap_windows
+from jax_seqpar.runtime.overlap import overlap_report, overlap_windows
 
 ASYNC_HLO = """HloModule m, is_scheduled=true
 

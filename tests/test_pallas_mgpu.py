@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jax_seqpar as jsp
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.kernels import pallas_mgpu
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
                                      get_kernel)

@@ -20,7 +20,7 @@ from helpers import (assert_close, assert_trees_close, make_cotangent, make_mesh
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss
 from jax_seqpar.parallel.common import FWD_SCOPE
 from jax_seqpar.parallel.selective import EARLY_SCOPE, LATE_SCOPE
-from jax_seqpar.remat import policy_for, ring_transfer_counts, seq_selective_attention
+from jax_seqpar.layers.remat import policy_for, ring_transfer_counts, seq_selective_attention
 
 L, G, S = 2, 4, 64
 CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=L, num_heads=4, num_kv_heads=2)
@@ -204,7 +204,7 @@ def test_examples_offer_every_remat_mode():
     import ast
     from pathlib import Path
 
-    from jax_seqpar.remat import REMAT_MODES
+    from jax_seqpar.layers.remat import REMAT_MODES
     root = Path(__file__).resolve().parents[1] / "examples"
     for name in ("finetune_long_context.py", "train_long_context.py"):
         tree = ast.parse((root / name).read_text())

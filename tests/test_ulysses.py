@@ -12,8 +12,8 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar import comm
-from jax_seqpar.comm import collective_bytes, op_axes
+from jax_seqpar.runtime import comm
+from jax_seqpar.runtime.comm import collective_bytes, op_axes
 from jax_seqpar.parallel.costs import AttnShape, bytes_per_axis
 
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -14,7 +14,7 @@ batch has the same shape and nothing is dropped.
   rows ``[p * B/P, (p + 1) * B/P)`` of each global batch.  The global batch is the same
   whatever the process count (2 processes train exactly like 1), at the price of every
   process tokenising the whole corpus.  On a mesh whose batch axis runs over the
-  processes in order, ``jax_seqpar.distributed.from_process_local(batch, mesh,
+  processes in order, ``jax_seqpar.runtime.distributed.from_process_local(batch, mesh,
   P("data", "sp"))`` assembles the global array.  If the processes instead share each
   row (the sequence axis spans processes), give every process ``process_count=1`` so
   they all get the whole global batch, and place it with ``distributed.from_host``.

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
                                      register_kernel)
 from jax_seqpar.masks import MaskSpec

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_seqpar._compat import kernel_io
+from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
 from jax_seqpar.kernels.pallas_common import (LOG2E, _compiler_params, _dot_precision, _pad_to,
                                            check_request, finish_rows, interpret_mode,

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_seqpar._compat import kernel_io
+from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
 from jax_seqpar.kernels.pallas_common import (  # noqa: F401  (re-exported names)
     DEFAULT_CONFIGS, DTYPES, F32, FLOAT32_CONFIGS, HEAD_DIMS, LN2, LOG2E, PallasConfig,

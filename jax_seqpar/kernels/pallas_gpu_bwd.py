@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_seqpar._compat import kernel_io
+from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import (F32, LOG2E, PallasConfig, _compiler_params,
                                            _dot_precision, _pad_to, dot, mask_tile, needs_mask,
                                            segment_lists_args, tile_lists)

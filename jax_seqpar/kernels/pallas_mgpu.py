@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar._compat import kernel_io
+from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
 from jax_seqpar.kernels.pallas_common import (_pad_to, default_config, segment_lists_args,
                                               tile_lists)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar._compat import vary_like
+from jax_seqpar.runtime._compat import vary_like
 from jax_seqpar.kernels.base import KernelRequest, register_kernel
 from jax_seqpar.masks import MaskSpec
 

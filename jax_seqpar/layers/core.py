@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.api import STRATEGIES, attention
 from jax_seqpar.layers.rope import apply_rope
 from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
-from jax_seqpar.remat import seq_selective_attention
+from jax_seqpar.layers.remat import seq_selective_attention
 
 F32 = jnp.float32
 

@@ -35,7 +35,7 @@ class SeqParallelAttention(nn.Module):
     permutes on the way in and out.  ``mesh=None``: plain single-device attention.
     ``rope_theta=None`` turns RoPE off; ``rope_scaling`` (``layers.rope.RopeScaling``)
     scales it.  ``seq_selective=True``: compute attention so
-    that ``jax_seqpar.remat.seq_selective_policy`` can keep the later half of each shard
+    that ``jax_seqpar.layers.remat.seq_selective_policy`` can keep the later half of each shard
     (BurstEngine §3.2).
     """
 

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 from jax_seqpar.decode import decode_kernel_name
 from jax_seqpar.layouts import permutation
 from jax_seqpar.models.llama import Llama, LlamaConfig, LlamaParts

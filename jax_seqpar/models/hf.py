@@ -12,7 +12,7 @@ or the shards listed in ``model.safetensors.index.json``.  It is **streamed**: o
 at a time, each device's slice read from a memory map of that tensor alone
 (``safetensors_io.read_slice``) in the stored layout and placed by
 ``jax.make_array_from_callback``, then transposed and converted on the devices, each
-device its own slice, onto the parameter's sharding: ``jax_seqpar.fsdp``'s
+device its own slice, onto the parameter's sharding: ``jax_seqpar.sharding.fsdp``'s
 (``params="fsdp"``), replicated over the mesh (``"replicated"``), or the first device
 (``mesh=None``).  So the host holds about one tensor beyond what it already held, and no
 device ever holds more of a sharded tensor than its own slice.  Weights are converted to
@@ -49,7 +49,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
+from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
 from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf
 from jax_seqpar.models.llama import LlamaConfig
 from jax_seqpar.models.safetensors_io import (TensorInfo, parse_size, plan_shards,

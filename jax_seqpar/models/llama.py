@@ -14,12 +14,12 @@ target is lost or duplicated at shard boundaries.  With ``mesh=None`` the same
 parameters run as a plain single-device model.
 
 ``config.fused_loss`` (default True) makes ``next_token_loss`` use the fused LM head +
-cross-entropy of ``jax_seqpar.lm_head`` (BurstEngine Alg. 3): the ``[B, S, vocab]``
+cross-entropy of ``jax_seqpar.layers.lm_head`` (BurstEngine Alg. 3): the ``[B, S, vocab]``
 logits are never stored, and the head's gradients are made in the forward.  It is the
 default on every platform for now; the GPU benchmark (``benchmarks/lm_head.py``) decides
 whether it stays the default where it would be slower than the plain logits.
 
-``config.remat`` checkpoints every block (``jax_seqpar.remat``): ``"full"`` keeps the
+``config.remat`` checkpoints every block (``jax_seqpar.layers.remat``): ``"full"`` keeps the
 block inputs only, ``"attention"`` also keeps the attention output and lse (DistFlashAttn
 §3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2),
 ``"attention_mlp"`` also the MLP's gate and up projections; ``config.remat_offload``
@@ -44,9 +44,9 @@ from jax_seqpar.layers.linen import SeqParallelAttention
 from jax_seqpar.models.hf_config import config_fields_from_hf, config_to_hf
 from jax_seqpar.models.hf_config import replace as replace_fields
 from jax_seqpar.layers.rope import RopeScaling, apply_rope, as_rope_scaling
-from jax_seqpar.lm_head import fused_lm_head_loss
+from jax_seqpar.layers.lm_head import fused_lm_head_loss
 from jax_seqpar.masks import WindowArg, normalize_window
-from jax_seqpar.remat import BLOCK_INPUT, MLP_GATE, MLP_UP, REMAT_MODES, policy_for
+from jax_seqpar.layers.remat import BLOCK_INPUT, MLP_GATE, MLP_UP, REMAT_MODES, policy_for
 
 F32 = jnp.float32
 
@@ -59,7 +59,7 @@ class LlamaConfig:
     ``8/3 * d_model`` rounded up to a multiple of 16.  ``dtype`` is the activation dtype,
     ``param_dtype`` the parameters'.  ``window`` adds a sliding window to the causal mask.
     ``fused_loss``: ``next_token_loss`` computes the head and the loss tile by tile
-    (``jax_seqpar.lm_head.fused_lm_head_loss``, with row / vocabulary tiles of
+    (``jax_seqpar.layers.lm_head.fused_lm_head_loss``, with row / vocabulary tiles of
     ``loss_block_s`` / ``loss_block_v``; None picks its defaults) instead of materialising
     the logits.
 

@@ -20,7 +20,7 @@ BACKWARDS = ("kv", "q", "auto")
 #: ``jax.ad_checkpoint.checkpoint_name`` tags of the attention residuals (the output, in the
 #: input dtype, and the float32 lse), so that a ``jax.checkpoint`` policy can save them and
 #: the backward of a rematerialised layer never re-runs the attention forward
-#: (DistFlashAttn §3.3; ``jax_seqpar.remat``).
+#: (DistFlashAttn §3.3; ``jax_seqpar.layers.remat``).
 ATTN_OUT = "seqpar_attn_out"
 ATTN_LSE = "seqpar_attn_lse"
 #: ``jax.named_scope`` of the ring forward and backward: they show in profiles and in the

@@ -2,7 +2,7 @@
 
 Every formula counts the bytes **one device sends** in one call, hop by hop, exactly as
 ``parallel/ring.py`` moves them; ``tests/test_burst.py`` checks them to the byte against
-the compiled program (``jax_seqpar.comm``).  Notation: ``G`` devices, ``T = S / G`` tokens
+the compiled program (``jax_seqpar.runtime.comm``).  Notation: ``G`` devices, ``T = S / G`` tokens
 per device, batch ``B``, head dim ``D``, ``Hq`` query heads, ``Hkv`` key/value heads,
 ``e`` bytes per input element, float32 accumulators and row statistics (4 B).  The ring
 runs in chains of hops (``schedule.ring_schedule``): one chain of ``G - 1`` hops for

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar._compat import vary_like
+from jax_seqpar.runtime._compat import vary_like
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.layouts import shard_positions
 from jax_seqpar.masks import WindowArg

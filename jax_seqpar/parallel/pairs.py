@@ -46,7 +46,7 @@ from typing import Optional
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar._compat import vary_like
+from jax_seqpar.runtime._compat import vary_like
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel.merge import merge

@@ -85,7 +85,7 @@ def make_ring_vjp(forward: Callable, backwards: Dict[str, Callable]):
 
     def attn_fwd(cfg, q, k, v, seg):
         o, lse = forward(cfg, q, k, v, seg)
-        # Named, so that a checkpoint policy can keep the residuals (jax_seqpar.remat).
+        # Named, so that a checkpoint policy can keep the residuals (jax_seqpar.layers.remat).
         o = checkpoint_name(o.astype(q.dtype), ATTN_OUT)
         lse = checkpoint_name(lse, ATTN_LSE)
         return o, (q, k, v, seg, o, lse)

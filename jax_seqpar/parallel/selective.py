@@ -13,7 +13,7 @@ visible part of every device pair with mask-free kernel calls (``pairs._half_fwd
 the two passes together do the work of one.  The later group's ``(o, lse)`` are tagged
 ``ATTN_OUT_LATE`` / ``ATTN_LSE_LATE`` with ``checkpoint_name``; the concatenated
 ``(o, lse)`` are tagged ``ATTN_OUT`` / ``ATTN_LSE`` like the plain ring's.  Inside
-``jax.checkpoint`` with ``jax_seqpar.remat.seq_selective_policy()``, the backward keeps
+``jax.checkpoint`` with ``jax_seqpar.layers.remat.seq_selective_policy()``, the backward keeps
 the saved later rows and re-runs the ring pass of the earlier rows only; the backward
 itself is the plain ring's (``backward="kv"`` or ``"q"``) on the full ``(o, lse)``.
 

@@ -8,7 +8,7 @@ iterator's position, and a restarted run continues bit for bit.
 
 ``init_train_state`` never builds the full parameters on one device: it traces the
 initialiser with ``jax.eval_shape``, picks a ``NamedSharding`` per leaf
-(``jax_seqpar.fsdp.fsdp_shardings``: each large array split over the mesh axis, or
+(``jax_seqpar.sharding.fsdp.fsdp_shardings``: each large array split over the mesh axis, or
 replicated), and runs the initialiser under ``jax.jit(..., out_shardings=...)``, so
 each device computes only its own slice of every array.  ``abstract_train_state`` gives
 the same tree as ``jax.ShapeDtypeStruct``s with those shardings, without computing
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, Sharding
 
-from jax_seqpar.fsdp import fsdp_shardings, replicated_shardings
+from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
 
 #: The keys a batch may have (``tokens`` is required); all ``[B, S]``, natural order.
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -209,7 +209,7 @@ def make_train_step(model, optimizer, *, shardings=None, donate: bool = True,
     in host memory (``abstract_train_state(opt_memory="pinned_host")``) is moved to the
     device for the update and back by the step's output shardings.  The batch is taken as
     given: NumPy arrays, or ``jax.Array``s already placed (e.g. with
-    ``jax_seqpar.distributed.from_host`` when several processes run).
+    ``jax_seqpar.runtime.distributed.from_host`` when several processes run).
     """
     import optax
 

@@ -42,7 +42,7 @@ import numpy as np
 jax.config.update("jax_enable_x64", True)  # the derivation is checked in float64
 
 import jax_seqpar as jsp
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.parallel.tree import tree_reduce
 
 plt.rcParams.update({"figure.dpi": 80, "savefig.dpi": 80, "font.size": 9})

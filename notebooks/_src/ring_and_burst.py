@@ -43,7 +43,7 @@ jax.config.update("jax_enable_x64", True)  # derivations in float64; library cal
 
 import jax_seqpar as jsp
 from jax_seqpar import layouts
-from jax_seqpar.comm import collective_bytes
+from jax_seqpar.runtime.comm import collective_bytes
 from jax_seqpar.kernels.xla import XlaKernel, attention_delta
 from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel import costs
@@ -326,7 +326,7 @@ for scheme in ("kv", "q"):
 # Now `jsp.attention` on 8 simulated devices, causal, float32, with each backward, for multi-head
 # attention ($H_q = H_{kv}$) and grouped-query attention (group $g = H_q/H_{kv} = 4$). The gradients
 # are compared with `jax.nn.dot_product_attention`; the bytes each device sends are read from the
-# compiled program (`jax_seqpar.comm.collective_bytes`: forward plus backward) and must equal
+# compiled program (`jax_seqpar.runtime.comm.collective_bytes`: forward plus backward) and must equal
 # `costs.forward_bytes + costs.backward_bytes`. In float32 the simulation's counts become exact byte
 # formulas: per device, with $T = S/G$,
 #

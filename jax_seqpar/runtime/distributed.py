@@ -225,7 +225,7 @@ def initialize(coordinator_address: Optional[str] = None,
             clash = [f"{k}={v!r} (first call: {first[k]!r})" for k, v in requested.items()
                      if v is not None and first[k] is not None and v != first[k]]
             if clash:
-                raise RuntimeError("jax_seqpar.distributed.initialize() was already called "
+                raise RuntimeError("jax_seqpar.runtime.distributed.initialize() was already called "
                                    "with other settings: " + ", ".join(clash))
         return process_info(source=_STATE.get("source", "already initialized"))
 
@@ -253,7 +253,7 @@ def initialize(coordinator_address: Optional[str] = None,
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise RuntimeError(
-                "jax_seqpar.distributed.initialize() must run before JAX starts its "
+                "jax_seqpar.runtime.distributed.initialize() must run before JAX starts its "
                 "backends: call it at the top of the script, before jax.devices(), "
                 "jax.make_mesh() or any computation") from e
         raise

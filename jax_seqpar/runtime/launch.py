@@ -1,6 +1,6 @@
 """``python -m jax_seqpar launch``: run one command as N local processes of one JAX job.
 
-Each process gets the variables ``jax_seqpar.distributed.initialize()`` reads (the
+Each process gets the variables ``jax_seqpar.runtime.distributed.initialize()`` reads (the
 coordinator on 127.0.0.1 and a free port, the number of processes, its index) and, on
 request, its own set of simulated CPU devices (``XLA_FLAGS``) or GPUs
 (``CUDA_VISIBLE_DEVICES``).  The output of every process is streamed line by line with a
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import List, Optional, Sequence, TextIO
 
-from jax_seqpar.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jax_seqpar.runtime.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 #: Exit code when ``--timeout`` passes (the code ``timeout(1)`` uses).
 TIMEOUT_EXIT = 124

@@ -80,7 +80,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jax_seqpar import _compat
+from jax_seqpar.runtime import _compat
 
 F32 = jnp.float32
 AxisName = Union[str, Tuple[str, ...]]

@@ -59,7 +59,7 @@ import dataclasses
 import re
 from typing import Dict, List, Optional, Set, Tuple
 
-from jax_seqpar.comm import (KINDS, CollectiveOp, _parse, _replica_groups, compiled_text,
+from jax_seqpar.runtime.comm import (KINDS, CollectiveOp, _parse, _replica_groups, compiled_text,
                              op_axes)
 
 KERNEL_OPS = ("dot", "convolution", "custom-call", "exponential")
