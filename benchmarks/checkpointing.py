@@ -15,7 +15,7 @@ residuals with a sequence axis, per device: what a policy trades), the compiled
 program's per-device temporary memory (XLA memory analysis: those plus every work
 buffer, without parameters and inputs), the step time (median),
 the ring forward passes per layer counted in the program's jaxpr
-(``remat.ring_transfer_counts``), and the largest gradient difference from ``none``.
+(``layers.remat.ring_transfer_counts``), and the largest gradient difference from ``none``.
 Saves JSON and a PNG.
 
     python benchmarks/checkpointing.py                # CPU: 8 simulated devices

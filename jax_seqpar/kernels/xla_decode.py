@@ -13,7 +13,8 @@ becomes a long chain of tiny, latency-bound steps (measured on H200: ~0.25 TB/s 
   merge, so skipping would only save arithmetic that is not the bottleneck;
 * batch rows are computed one by one with static slices (up to ``max_unrolled_batch``
   rows; beyond, batched): XLA read an 8-row cache ~3x faster that way on H200 than with
-  the batch as an einsum batch dimension (``benchmarks/decode_formulations.py``).
+  the batch as an einsum batch dimension (``benchmarks/RESULTS.md``, "Why the rows one
+  by one").
 
 Inside a block the softmax is one row reduction over all its keys, which XLA runs in
 parallel: the split-K idea of Flash-Decoding, with the merge across blocks the same
@@ -81,7 +82,7 @@ class XlaDecodeKernel:
             return self._fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg)
         # One batch row at a time, with static slices: on H200 (JAX 0.11.2) the batched
         # form read an 8-row cache at ~1.1 TB/s and the per-row form at 2.4-3.4 TB/s
-        # (benchmarks/decode_formulations.py, RESULTS.md).
+        # (benchmarks/RESULTS.md, "Why the rows one by one").
         def row(x, b):
             return None if x is None else x[b:b + 1]
         outs = [self._fwd(row(q, b), row(k, b), row(v, b),
