@@ -1,24 +1,39 @@
-# make demo / make test create (or refresh) .venv and install the package with its dev extras.
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# make demo / make test create (or refresh) a virtual environment, install the package with
+# its dev extras and run the demo or the test suite.
+#
+# The environment has the Python and the JAX that the GPU machines run: Python 3.12 (else
+# the newest >= 3.12; scripts/find_python.sh) and JAX from constraints/jax-gpu.txt.  With no
+# Python >= 3.12 here it falls back to python3 and the oldest supported JAX
+# (constraints/jax-oldest.txt), saying so.  Override any of these:
+#   make test PYTHON=python3.13 VENV=.venv-313 CONSTRAINTS=        (newest JAX pip resolves)
+#   make test PYTEST_ARGS="-x tests/test_attention.py"
+PYTHON      ?= $(shell sh scripts/find_python.sh)
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+OLD_PYTHON  := $(shell $(PYTHON) -c 'import sys; print(int(sys.version_info < (3, 12)))')
+CONSTRAINTS ?= $(if $(filter 1,$(OLD_PYTHON)),constraints/jax-oldest.txt,constraints/jax-gpu.txt)
+PYTEST_ARGS ?=
 
 .PHONY: demo test info clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
+	@if [ "$(OLD_PYTHON)" = 1 ] && [ "$(CONSTRAINTS)" = constraints/jax-oldest.txt ]; then \
+	  echo "make: $(PYTHON) is older than 3.12: installing the oldest supported JAX" \
+	       "($(CONSTRAINTS)), not the GPU machines' 0.11.2"; fi
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e ".[dev]"
+	$(PY) -c 'import sys, jax; print(f"make: {sys.executable}: Python {sys.version.split()[0]}, JAX {jax.__version__}")'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m jax_seqpar demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
 
 info: $(STAMP)
 	$(PY) -m jax_seqpar info

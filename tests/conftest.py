@@ -20,13 +20,32 @@ _FLAGS = {
     # LLVM may not reorder float arithmetic at any level.  Subprocesses (launcher,
     # notebooks) inherit it.
     "--xla_backend_optimization_level": "0",
-    # XLA's newer CPU fusion emitters (MLIR) compile the suite's many small fusions ~4x
-    # slower than the elemental emitter (test_xla_kernel's reference cases: 12.9 s of
-    # compile with them, 2.8 s without; the whole suite 10:49 -> 5:09 on 2 cores).  Both
-    # emit IEEE arithmetic without fast-math, and the tests that read the compiled
-    # program (bytes per collective, overlap, remat) pass under either.
-    "--xla_cpu_use_fusion_emitters": "false",
 }
+
+
+def _fusion_emitter_flags() -> dict:
+    """XLA's newer CPU fusion emitters (MLIR) compile the suite's many small fusions ~3x
+    slower than the older elemental emitter (tests/test_xla_kernel.py on JAX 0.11.2:
+    50.9 s of CPU time with them, 16.1 s without).  Both emit IEEE arithmetic without
+    fast-math, and the tests that read the compiled program (bytes per collective,
+    overlap, remat) pass under either.  How to ask for the old emitter depends on the
+    jaxlib (an unknown flag aborts XLA), so the version is read from the installed
+    package's metadata, without importing jax: a flag up to 0.10, a backend option in
+    0.11; 0.12 has only the new emitters."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("jaxlib").split(".")[:2])
+    except (PackageNotFoundError, ValueError):  # pragma: no cover - unusual install
+        return {}
+    if (major, minor) <= (0, 10):
+        return {"--xla_cpu_use_fusion_emitters": "false"}
+    if (major, minor) == (0, 11):
+        return {"--xla_backend_extra_options": "xla_cpu_disable_new_fusion_emitters"}
+    return {}
+
+
+_FLAGS.update(_fusion_emitter_flags())
 _flags = os.environ.get("XLA_FLAGS", "")
 for _name, _value in _FLAGS.items():
     if _name not in _flags:  # never duplicate (or override) a flag the user set

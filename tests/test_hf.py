@@ -371,6 +371,7 @@ def test_hf_load_benchmark_tiny(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(tmp_path / "ckpt")
 
 
+@pytest.mark.multiprocess
 def test_two_processes_load_and_save(tmp_path):
     """2 processes x 4 devices: each process reads only its devices' slices, save
     gathers each tensor from both and process 0 writes files equal to the source."""

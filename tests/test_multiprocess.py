@@ -84,6 +84,7 @@ def _diff(a, b):
 
 
 # --------------------------------------------------------------------------- attention
+@pytest.mark.multiprocess
 def test_ring_attention_two_processes_equals_one(worker_results):
     """Ring attention (plain, causal contiguous, causal zigzag; both backwards) across
     2 processes x 4 devices: outputs and gradients equal one process on 8 devices and
@@ -118,6 +119,7 @@ def _dense_step():
             **{f"grads/{k}": np.asarray(x) for k, x in grads.items()}}
 
 
+@pytest.mark.multiprocess
 def test_training_step_two_processes_equals_one(worker_results):
     """One AdamW step of a small attention model (ring, causal, zigzag) across 2 processes
     x 4 devices: loss, gradients and updated parameters equal one process on 8 devices
@@ -139,6 +141,7 @@ def test_training_step_two_processes_equals_one(worker_results):
     _report(rows)
 
 
+@pytest.mark.multiprocess
 def test_demo_under_the_launcher():
     """``python -m jax_seqpar demo`` across 2 processes: process 0 checks and reports."""
     code, out, err = run_launcher(
@@ -154,6 +157,7 @@ def test_demo_under_the_launcher():
     assert "[p1] ring" not in out  # only process 0 reports
 
 
+@pytest.mark.multiprocess
 def test_training_example_two_processes_equals_one(tmp_path):
     """examples/train_long_context.py under the launcher (2 processes x 2 devices) logs
     the same losses as one process with 4 devices; only process 0 reports and writes."""
@@ -186,6 +190,7 @@ _CHILD = ("import os, sys, time; p = int(os.environ['JAX_SEQPAR_PROCESS_ID']); "
           "os.environ['JAX_SEQPAR_COORDINATOR'], os.environ.get('XLA_FLAGS', ''), flush=True); ")
 
 
+@pytest.mark.multiprocess
 def test_launch_prefixes_output_and_sets_environment():
     code, out, err = run_launcher("-n", 3, "--devices-per-process", 2, "--",
                                   sys.executable, "-c",
@@ -202,6 +207,7 @@ def test_launch_prefixes_output_and_sets_environment():
     assert len(coordinators) == 1 and coordinators.pop().startswith("127.0.0.1:")
 
 
+@pytest.mark.multiprocess
 def test_launch_fails_loudly_when_a_process_fails():
     """Process 1 exits 3 while process 0 would sleep for a minute: the launcher stops
     process 0 at once, exits 3 and names process 1."""
@@ -215,15 +221,23 @@ def test_launch_fails_loudly_when_a_process_fails():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_launch_timeout_stops_every_process():
     t0 = time.monotonic()
     code, out, err = run_launcher("-n", 2, "--timeout", 2, "--", sys.executable, "-c",
                                   _CHILD + "time.sleep(60)", timeout=60)
     assert code == TIMEOUT_EXIT, out + err
     assert "timeout: 2 s passed with processes 0, 1 still running" in err, err
+    # each hung process shows where it is (faulthandler), not only that it was stopped
+    for p in (0, 1):
+        assert f"[launch] process {p} (pid" in err, err
+        assert f"[p{p}] Fatal Python error: Aborted" in err, err
+        assert any(line.startswith(f"[p{p}]") and "time.sleep" not in line
+                   and 'File "<string>", line 1' in line for line in err.splitlines()), err
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_launch_passes_sigterm_on():
     """SIGTERM to the launcher stops its processes (they run in their own sessions)."""
     proc = subprocess.Popen(
@@ -239,6 +253,7 @@ def test_launch_passes_sigterm_on():
             os.kill(pid, 0)
 
 
+@pytest.mark.multiprocess
 def test_launch_in_process_api_and_argument_errors():
     out, err = io.StringIO(), io.StringIO()
     assert launch([sys.executable, "-c", "print('x')"], 2, stdout=out, stderr=err) == 0
@@ -343,6 +358,7 @@ _QUIET_CHILD = ("import jax_seqpar.runtime.distributed as jd; info = jd.initiali
                 "print('ok', info.process_index, len(jax.devices()), flush=True); ")
 
 
+@pytest.mark.multiprocess
 def test_normal_exit_is_orderly_and_quiet():
     """Every process leaves through jax.distributed.shutdown at exit (registered by
     initialize), so a successful job prints no runtime errors; an explicit shutdown()
@@ -360,6 +376,7 @@ def test_normal_exit_is_orderly_and_quiet():
     assert code == 0 and "[p0] client None" in out and "[p1] client None" in out, out + err
 
 
+@pytest.mark.multiprocess
 def test_failing_process_skips_the_orderly_exit():
     """An uncaught exception marks the process failed: it exits at once (no shutdown
     barrier to wait at), loudly, and the launcher stops the job."""
@@ -387,6 +404,7 @@ _GRPC_SHUTDOWN = (
     "external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89\n\n")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("exit_code", [0, 1])
 def test_launcher_hides_the_runtime_shutdown_warning_unless_the_process_fails(exit_code):
     child = ("import sys; sys.stderr.write(" + repr(_GRPC_SHUTDOWN) + "); "

@@ -49,6 +49,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from jax_seqpar.runtime import distributed
 from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
 from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf
 from jax_seqpar.models.llama import LlamaConfig
@@ -277,8 +278,7 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
 def _to_host(x) -> np.ndarray:
     """The whole array on the host (all processes must call it for a multi-process one)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return distributed.to_host(x)
     return np.asarray(jax.device_get(x))
 
 
@@ -348,9 +348,7 @@ def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
                 json.dump(index, f, indent=2)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("jax_seqpar.save_pretrained")
+    distributed.barrier("jax_seqpar.save_pretrained")  # the files exist for every process
 
 
 __all__ = ["ARCHITECTURES", "Entry", "checkpoint_tensors", "config_from_hf", "config_to_hf",

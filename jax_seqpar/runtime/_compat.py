@@ -1,36 +1,22 @@
-"""Version shims: every use of a JAX API that moved between releases goes through here."""
+"""Version shims: every use of a JAX API that moved between releases, and every use of
+JAX's private modules, goes through here.  Supported: JAX 0.10.2 to 0.12 (pyproject.toml);
+.ci/run tests the oldest, the GPU machines' (0.11.2) and the newest."""
 
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
-
-try:  # JAX >= 0.6
-    _shard_map = jax.shard_map
-except AttributeError:  # pragma: no cover - older JAX
-    from jax.experimental.shard_map import shard_map as _shard_map  # type: ignore
-
-try:
-    from jax.sharding import AxisType
-except ImportError:  # pragma: no cover
-    AxisType = None  # type: ignore
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
-    """``jax.shard_map`` with ``check_vma`` (named ``check_rep`` before JAX 0.6)."""
-    try:
-        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_vma=check_vma)
-    except TypeError:  # pragma: no cover - older JAX
-        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_rep=check_vma)
+    """``jax.shard_map`` (one place, so that a future signature change is one edit)."""
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)
 
 
 def has_explicit_axes(mesh) -> bool:
     """True for meshes whose axes are ``AxisType.Explicit`` (``jax.make_mesh``'s default)."""
-    types = getattr(mesh, "axis_types", None)
-    if AxisType is None or types is None:
-        return False
+    types = getattr(mesh, "axis_types", None) or ()
     return any(t == AxisType.Explicit for t in types)
 
 
@@ -50,10 +36,8 @@ def _vma(x) -> frozenset:
         aval = jax.typeof(x)
     except Exception:  # pragma: no cover - not an array
         return frozenset()
-    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))  # JAX 0.6 - 0.9
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
 
 
 def vary_like(tree, *refs):
@@ -71,9 +55,7 @@ def vary_like(tree, *refs):
         missing = tuple(sorted(axes - _vma(x)))
         if not missing:
             return x
-        if hasattr(jax.lax, "pcast"):
-            return jax.lax.pcast(x, missing, to="varying")
-        return jax.lax.pvary(x, missing)  # pragma: no cover - older JAX
+        return jax.lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(fix, tree)
 

@@ -25,6 +25,7 @@ import sys
 import dataclasses
 import os
 import re
+import zlib
 from typing import Any, Optional, Sequence, Union
 
 import jax
@@ -281,7 +282,23 @@ def shutdown() -> None:
     """
     if _STATE.get("failed") or not jax.distributed.is_initialized():
         return
+    _finish_pending_work()
     jax.distributed.shutdown()
+
+
+def _finish_pending_work() -> None:
+    """Wait for every computation this process dispatched whose result is alive, while the
+    other processes are still here to take part in its collectives.
+
+    A process that leaves with a collective in flight leaves its peers' halves of it
+    waiting for a partner that is gone, and each peer then blocks at exit, when its
+    runtime joins the thread that runs it (seen as a job whose processes had all
+    finished their work but one never exited; ``scripts/stress_multiprocess.py``)."""
+    for x in jax.live_arrays():
+        try:
+            x.block_until_ready()
+        except Exception:  # noqa: BLE001 - deleted or donated meanwhile: nothing to wait for
+            pass
 
 
 def _install_orderly_exit() -> None:
@@ -378,23 +395,61 @@ def from_process_local(x, mesh, spec, global_shape=None) -> jax.Array:
                                                          global_shape), x)
 
 
-def to_host(tree) -> Any:
-    """The full value of every (global) array in ``tree`` as NumPy, on every process.
+def _replicated(x) -> jax.Array:
+    """``x`` copied to every device of the job, as a global array (a collective that every
+    process must join).  ``x``: a global array, or a host value that each process gives
+    for itself (concatenated along its first axis in process order; a scalar counts as
+    one row)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if isinstance(x.sharding, NamedSharding):
+            whole = x.sharding.update(spec=PartitionSpec())
+        else:
+            devices = sorted(x.sharding.device_set, key=lambda d: d.id)
+            whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)),
+                                  PartitionSpec())
+        return jax.jit(lambda a: a, out_shardings=whole)(x)
+    block = np.asarray(x)
+    if block.ndim == 0:
+        block = block[None]
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = jax.sharding.Mesh(devices, ("processes", "local"))
+    rows = jax.make_array_from_single_device_arrays(
+        (jax.process_count() * block.shape[0],) + block.shape[1:],
+        NamedSharding(mesh, PartitionSpec("processes")),
+        [jax.device_put(block, d) for d in jax.local_devices()])
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
 
-    Wraps ``jax.experimental.multihost_utils.process_allgather(tiled=True)``: every
-    process must call it (it runs a collective).  On a single process it is
+
+def to_host(tree) -> Any:
+    """The full value of every global array in ``tree`` as NumPy, on every process; a host
+    value (NumPy, or an array of this process only) comes back as every process's value
+    concatenated along the first axis in process order (a scalar counts as one row).
+
+    Every process must call it: it runs one collective per leaf.  It returns only when
+    the collective has finished on **every** local device, not only on the one it reads
+    (``jax.experimental.multihost_utils.process_allgather`` waits for the first alone, so
+    a process that exits right after it can leave a gather running on its other devices;
+    a peer whose device waits for that gather then never finishes, and blocks at exit
+    when its runtime joins the thread that runs it).  On a single process it is
     ``np.asarray``.
     """
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, tree)
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.process_allgather(tree, tiled=True)
+    gathered = jax.block_until_ready(jax.tree.map(_replicated, tree))
+    return jax.tree.map(lambda g: np.asarray(g.addressable_data(0)), gathered)
 
 
 def barrier(name: str) -> None:
-    """Wait until every process reaches ``barrier(name)`` (no-op on a single process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    """Wait until every process reaches ``barrier(name)`` (no-op on a single process).
 
-        multihost_utils.sync_global_devices(name)
+    A gather of ``crc32(name)`` from every process (``to_host``: finished on every local
+    device before it returns); a process that reached a barrier of another name raises
+    ``RuntimeError`` naming both."""
+    if jax.process_count() == 1:
+        return
+    mine = np.uint32(zlib.crc32(name.encode()))
+    seen = to_host(mine)
+    if not (seen == mine).all():
+        raise RuntimeError(f"barrier({name!r}): process {jax.process_index()} reached it while "
+                           f"another process is at a barrier of another name (crc32 values "
+                           f"{seen.tolist()} by process)")

@@ -5,7 +5,8 @@ coordinator on 127.0.0.1 and a free port, the number of processes, its index) an
 request, its own set of simulated CPU devices (``XLA_FLAGS``) or GPUs
 (``CUDA_VISIBLE_DEVICES``).  The output of every process is streamed line by line with a
 ``[p<i>]`` prefix.  If a process fails, the others are stopped and the launcher exits
-with the failed process's code; if ``--timeout`` passes, all are stopped and it exits 124.
+with the failed process's code; if ``--timeout`` passes, the processes still running
+print their threads' stacks (``faulthandler``), all are stopped and it exits 124.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def process_envs(num_processes: int, port: int, *, devices_per_process: Optional
         env[ENV_NUM_PROCESSES] = str(num_processes)
         env[ENV_PROCESS_ID] = str(i)
         env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
+        # a Python process then prints every thread's stack on SIGABRT, which the launcher
+        # sends a process still running at --timeout before it stops it (_dump_stacks)
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         if devices_per_process:
             env["XLA_FLAGS"] = _with_device_count(env.get("XLA_FLAGS", ""),
                                                   devices_per_process)
@@ -123,6 +127,22 @@ def _pump(src, dst: TextIO, prefix: str, printer: _Printer, proc=None) -> None:
         if code != 0:
             for text in held:
                 printer.line(dst, prefix + text)
+
+
+def _dump_stacks(procs: Sequence[subprocess.Popen], note) -> None:
+    """Ask every running process for its threads' stacks before it is stopped: SIGABRT,
+    which ``faulthandler`` (on in every process: ``PYTHONFAULTHANDLER``) answers by
+    printing them to stderr, which the launcher passes on; then the process ends."""
+    running = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    for i, p in running:
+        note(f"process {i} (pid {p.pid}): its threads' stacks follow on its stderr")
+        try:
+            os.kill(p.pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + _GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for _, p in running):
+        time.sleep(0.05)
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
@@ -241,6 +261,7 @@ def _watch(procs, timeout, note) -> int:
             running = [str(i) for i, c in enumerate(codes) if c is None]
             note(f"timeout: {timeout:g} s passed with process{'es' if len(running) > 1 else ''} "
                  f"{', '.join(running)} still running; stopping all")
+            _dump_stacks(procs, note)
             _stop(procs)
             return TIMEOUT_EXIT
         time.sleep(0.05)
