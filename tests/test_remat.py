@@ -42,9 +42,12 @@ def setup(mode):
 
 @functools.lru_cache(maxsize=None)
 def compiled(mode):
+    """``(executable, its HLO text)``: the tests run the executable they read, so each
+    mode compiles once (a jitted function called after ``.lower().compile()`` would
+    compile again)."""
     loss, params = setup(mode)
-    fn = jax.jit(jax.value_and_grad(loss))
-    return fn, fn.lower(params).compile().as_text()
+    exe = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    return exe, exe.as_text()
 
 
 def per_pass():

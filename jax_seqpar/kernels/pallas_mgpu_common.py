@@ -8,10 +8,11 @@ here, so neither imports the other's module at load time.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import jax.numpy as jnp
+
+from jax_seqpar.runtime import _compat
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -143,12 +144,8 @@ def _load(ref, layout, gmem: bool = True):
     """``plgpu.load`` of a whole (already indexed) ref into a register ``layout``: small
     vectors straight from global memory (positions, segment ids; Mosaic GPU's vectorised
     "optimized" loads read shared memory only, so these are plain loads) or rows staged
-    in shared memory (``gmem=False``).  JAX 0.10 wants the index as a second argument,
-    later releases deprecate it."""
-    plgpu = _plgpu()
-    params = inspect.signature(plgpu.load).parameters
-    idx = ((),) if params["idx"].default is inspect.Parameter.empty else ()
-    return plgpu.load(ref, *idx, layout=layout, optimized=not gmem)
+    in shared memory (``gmem=False``)."""
+    return _compat.mgpu_load(_plgpu(), ref, layout=layout, optimized=not gmem)
 
 
 def cta_order(tbl):

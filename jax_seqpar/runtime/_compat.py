@@ -4,6 +4,8 @@ JAX's private modules, goes through here.  Supported: JAX 0.10.2 to 0.12 (pyproj
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -69,6 +71,14 @@ def take_seq(x, idx, mesh, spec: PartitionSpec):
     if has_explicit_axes(mesh):
         return x.at[:, idx].get(out_sharding=NamedSharding(mesh, spec))
     return jax.numpy.take(x, idx, axis=1)
+
+
+def mgpu_load(plgpu, ref, *, layout, optimized: bool):
+    """``plgpu.load`` (Pallas Mosaic GPU) of a whole ref: JAX 0.10 wants the index as a
+    second argument, 0.11 deprecates it, 0.12 has no such parameter."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    extra = ((),) if idx is not None and idx.default is inspect.Parameter.empty else ()
+    return plgpu.load(ref, *extra, layout=layout, optimized=optimized)
 
 
 def kernel_io(args, out_shapes):
