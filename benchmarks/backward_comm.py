@@ -76,8 +76,8 @@ def run(cfg, causal: bool):
                                      kernel=kernel)
 
             _, vjp = jax.jit(lambda q, k, v: jax.vjp(fwd, q, k, v))(q, k, v)
-            bwd = jax.jit(lambda vjp, do: vjp(do))
-            comm = collective_bytes(bwd, vjp, do)
+            bwd = jax.jit(lambda vjp, do: vjp(do)).lower(vjp, do).compile()  # read and run
+            comm = collective_bytes(bwd)
             t = time_fn(bwd, vjp, do, repeats=cfg["repeats"])
             grads[scheme] = bwd(vjp, do)
             resolved = scheme if scheme != "auto" else (

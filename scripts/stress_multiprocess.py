@@ -7,7 +7,10 @@ pytest process with its own temporary folders, waits for them with a deadline, a
 reports per test how many passed, failed and hung.  A run past the deadline is stopped
 with SIGABRT first, so that every Python process under it that has ``faulthandler``
 on (the launcher turns it on in the processes it starts) prints the stack of each of
-its threads, and those stacks are shown; then the run is killed.
+its threads, and those stacks are shown; then the run is killed.  Since ``runs`` copies
+share the machine's cores, the tests' own time limits are stretched by ``runs / cores``
+(``JAX_SEQPAR_TEST_TIME_SCALE``, read by ``tests/helpers.py``): a run that outlives them
+is stuck, not merely starved.
 
     python scripts/stress_multiprocess.py --runs 30            # every multiprocess test
     python scripts/stress_multiprocess.py --runs 6 -k load_and_save --deadline 300
@@ -73,7 +76,10 @@ def run_batch(node: str, runs: int, deadline: float, workdir: Path) -> dict:
     for i in range(runs):
         log = workdir / f"run{i}.log"
         f = open(log, "w")
-        env = dict(os.environ, PYTHONFAULTHANDLER="1")
+        # runs / cores times as many processes as cores: the tests' time limits stretch
+        # as much (tests/helpers.py), so that a run past them is stuck, not starved
+        scale = max(1.0, runs / (os.cpu_count() or 1))
+        env = dict(os.environ, PYTHONFAULTHANDLER="1", JAX_SEQPAR_TEST_TIME_SCALE=f"{scale:g}")
         p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               "-x", node, f"--basetemp={workdir / f'tmp{i}'}"],
                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,

@@ -68,7 +68,7 @@ def setup(mesh):
     from jax_seqpar.models import Llama, LlamaConfig
     from jax_seqpar.training import abstract_train_state, make_train_step
 
-    cfg = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = LlamaConfig(vocab_size=61, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2)
     model = Llama(cfg, mesh=mesh, layout="zigzag", strategy="ring")
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
     abstract = abstract_train_state(model, optimizer, jax.random.key(SEED), (B, S),

@@ -7,6 +7,7 @@ tests sharing a configuration share the compiled executable.
 from __future__ import annotations
 
 import functools
+import os
 
 import chex
 import jax
@@ -20,6 +21,17 @@ BF16 = jnp.bfloat16
 
 #: Relative (norm-wise) error budgets (docs/ARCHITECTURE.md, "Numerics").
 TOL = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 2e-2}
+
+
+#: Multiplies the time limits of the tests that start processes: scripts/stress_multiprocess.py
+#: runs many copies at once on a few cores, where everything is that much slower; a run
+#: that outlives the scaled limit is then stuck, not slow.
+TIME_SCALE = float(os.environ.get("JAX_SEQPAR_TEST_TIME_SCALE", "1"))
+
+
+def seconds(s: float) -> float:
+    """A time limit of ``s`` seconds, scaled by ``TIME_SCALE``."""
+    return s * TIME_SCALE
 
 
 def tol(dtype) -> float:

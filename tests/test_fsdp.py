@@ -40,7 +40,7 @@ def test_fsdp_spec_validates():
 def _setup(G, mode, seed=0):
     mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:G])
-    cfg = LlamaConfig(vocab_size=96, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+    cfg = LlamaConfig(vocab_size=96, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
                       remat="attention")
     model = Llama(cfg, mesh=mesh, layout="zigzag")
     tokens = jax.random.randint(jax.random.PRNGKey(seed), (2, 128), 0, 96, jnp.int32)

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from helpers import assert_close
+from helpers import assert_close, seconds
 from jax_seqpar.sharding.fsdp import fsdp_shardings
 from jax_seqpar.layers.rope import RopeScaling
 from jax_seqpar.models import Llama, LlamaConfig
@@ -385,11 +385,11 @@ def test_two_processes_load_and_save(tmp_path):
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
         [repo, tests] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
     r = subprocess.run([sys.executable, "-m", "jax_seqpar", "launch", "--num-processes", "2",
-                        "--devices-per-process", "4", "--timeout", "150", "--",
+                        "--devices-per-process", "4", "--timeout", f"{seconds(150):g}", "--",
                         sys.executable, "-c", "import sys, mp_worker_hf as w; "
                         "sys.exit(w.main(sys.argv[1], sys.argv[2]))",
                         str(tmp_path / "src"), str(tmp_path / "dst")],
-                       cwd=repo, env=env, capture_output=True, text=True, timeout=170)
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=seconds(170))
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     assert "[p1] process 1 of 2 saved" in r.stdout
     src, dst = checkpoint_tensors(tmp_path / "src"), checkpoint_tensors(tmp_path / "dst")

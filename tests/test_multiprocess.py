@@ -24,7 +24,7 @@ import pytest
 
 import mp_worker_attention as att_worker
 import mp_worker_train as train_worker
-from helpers import assert_close, make_mesh, reference_fwd_bwd, rel_err
+from helpers import assert_close, make_mesh, reference_fwd_bwd, rel_err, seconds
 from jax_seqpar.runtime import distributed as jd
 from jax_seqpar.runtime.launch import TIMEOUT_EXIT, _with_device_count, launch, process_envs
 
@@ -43,10 +43,17 @@ def _env():
     return env
 
 
-def run_launcher(*args, timeout=120):
-    """``python -m jax_seqpar launch ARGS`` in a subprocess: ``(returncode, stdout, stderr)``."""
+def run_launcher(*args, timeout=120, scale_timeout=True):
+    """``python -m jax_seqpar launch ARGS`` in a subprocess: ``(returncode, stdout, stderr)``.
+    ``timeout`` and (unless ``scale_timeout=False``) a ``--timeout`` among ``ARGS`` are
+    scaled by ``helpers.seconds``."""
+    args = list(args)
+    if scale_timeout and "--timeout" in args:
+        i = args.index("--timeout") + 1
+        args[i] = f"{seconds(float(args[i])):g}"
     r = subprocess.run([sys.executable, "-m", "jax_seqpar", "launch", *map(str, args)],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+                       cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=seconds(timeout))
     return r.returncode, r.stdout, r.stderr
 
 
@@ -162,7 +169,8 @@ def test_training_example_two_processes_equals_one(tmp_path):
     """examples/train_long_context.py under the launcher (2 processes x 2 devices) logs
     the same losses as one process with 4 devices; only process 0 reports and writes."""
     args = [TESTS.parent / "examples" / "train_long_context.py", "--steps", 4,
-            "--seq-len", 256, "--log-every", 1, "--batch", 2, "--d-model", 32]
+            "--seq-len", 256, "--log-every", 1, "--batch", 2, "--d-model", 32,
+            "--layers", 1]  # one block: the processes, not the depth, are under test
     code, out, err = run_launcher(
         "-n", 2, "--devices-per-process", 2, "--timeout", 150, "--", sys.executable, *args,
         "--out", tmp_path / "mp", timeout=170)
@@ -172,7 +180,7 @@ def test_training_example_two_processes_equals_one(tmp_path):
     assert "[p0] attention kernel: xla (256 x 256 tiles)" in out, out  # auto on CPU
     single = subprocess.run([sys.executable, *map(str, [*args, "--devices", 4, "--out",
                                                         tmp_path / "one"])], cwd=REPO, env=_env(),
-                            capture_output=True, text=True, timeout=150)
+                            capture_output=True, text=True, timeout=seconds(150))
     assert single.returncode == 0, single.stdout + single.stderr
     logs = [json.loads((tmp_path / d / "train_log.json").read_text()) for d in ("mp", "one")]
     assert [lg["processes"] for lg in logs] == [2, 1] and [lg["devices"] for lg in logs] == [4, 4]
@@ -218,14 +226,14 @@ def test_launch_fails_loudly_when_a_process_fails():
     assert code == 3, out + err
     assert "process 1 failed with exit code 3" in err, err
     assert "[p0] hello from 0" in out and "[p1] hello from 1" in out
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < seconds(30)
 
 
 @pytest.mark.multiprocess
 def test_launch_timeout_stops_every_process():
     t0 = time.monotonic()
     code, out, err = run_launcher("-n", 2, "--timeout", 2, "--", sys.executable, "-c",
-                                  _CHILD + "time.sleep(60)", timeout=60)
+                                  _CHILD + "time.sleep(60)", timeout=60, scale_timeout=False)
     assert code == TIMEOUT_EXIT, out + err
     assert "timeout: 2 s passed with processes 0, 1 still running" in err, err
     # each hung process shows where it is (faulthandler), not only that it was stopped
@@ -234,7 +242,7 @@ def test_launch_timeout_stops_every_process():
         assert f"[p{p}] Fatal Python error: Aborted" in err, err
         assert any(line.startswith(f"[p{p}]") and "time.sleep" not in line
                    and 'File "<string>", line 1' in line for line in err.splitlines()), err
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < seconds(30)
 
 
 @pytest.mark.multiprocess
@@ -246,7 +254,7 @@ def test_launch_passes_sigterm_on():
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
     proc.terminate()
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=seconds(30))
     assert proc.returncode == 143 and "terminated; stopping all processes" in err, err
     for pid in pids:
         with pytest.raises(ProcessLookupError):
@@ -390,7 +398,7 @@ def test_failing_process_skips_the_orderly_exit():
     assert "process 1 failed with exit code 1" in err, err
     # without leaving at once, process 1 waited at JAX's shutdown barrier until process
     # 0 had slept its 90 s (measured: the job took as long as the sleep)
-    assert time.monotonic() - start < 60, time.monotonic() - start
+    assert time.monotonic() - start < seconds(60), time.monotonic() - start
 
 
 #: What JAX 0.11.2 printed on 2 H200s when two processes left a job (2026-11-23).

@@ -1,7 +1,7 @@
 """Issue 26, item 3: checkpoints with Orbax and exact resume (``jax_seqpar.training``).
 
-The training runs are ``tests/ckpt_worker.py``: a tiny Llama (vocab 61, d_model 32, 2
-layers) with ring attention over 4 devices, FSDP-sharded state, packed-document batches
+The training runs are ``tests/ckpt_worker.py``: a tiny Llama (vocab 61, d_model 32, one
+layer: resume is about state, not depth) with ring attention over 4 devices, FSDP-sharded state, packed-document batches
 from a seeded generator with ``get_state`` / ``set_state``, a checkpoint every 2 steps,
 the newest 2 kept.  The uninterrupted reference run and every resume run in this
 process (one compiled step); each scenario that needs a process to die starts one child

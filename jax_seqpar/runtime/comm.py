@@ -263,13 +263,20 @@ def analyze_hlo(hlo: str, num_devices: int) -> CommReport:
 
 
 def compiled_text(fn, *args, **kwargs) -> str:
-    """Optimised HLO text of ``fn(*args, **kwargs)`` (``fn`` is jitted if it is not already)."""
+    """Optimised HLO text of ``fn(*args, **kwargs)`` (``fn`` is jitted if it is not already),
+    or of ``fn`` itself when it is already compiled (``jax.jit(f).lower(...).compile()``:
+    run that executable too, since calling the jitted ``f`` afterwards compiles again)."""
+    if isinstance(fn, jax.stages.Compiled):
+        if args or kwargs:
+            raise TypeError("a compiled executable is read as it is: pass no arguments")
+        return fn.as_text()
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     return jitted.lower(*args, **kwargs).compile().as_text()
 
 
 def collective_bytes(fn, *args, num_devices: Optional[int] = None, **kwargs) -> CommReport:
-    """Compile ``fn`` on ``args`` and report the bytes each device sends per collective kind."""
+    """Compile ``fn`` on ``args`` (or read the executable ``fn``: ``compiled_text``) and
+    report the bytes each device sends per collective kind."""
     text = compiled_text(fn, *args, **kwargs)
     if num_devices is None:
         m = re.search(r"num_partitions=(\d+)", text)
