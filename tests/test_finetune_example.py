@@ -25,7 +25,7 @@ SCRIPT = os.path.join(ROOT, "examples", "finetune_long_context.py")
 def run(tmp_path, *extra):
     env = dict(os.environ, PYTHONPATH=ROOT,
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))  # rerun: no compile
-    cmd = [sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--devices", "4",
+    cmd = [sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--devices", "2",
            "--stages", "64,128", "--steps", "3", "--rope-theta", "1e4,4e4", "--batch", "2",
            "--d-model", "32", "--layers", "1", "--bpe-vocab", "300", "--save-every", "2",
            "--keep", "2", "--export", str(tmp_path / "export"), *extra]

@@ -153,13 +153,13 @@ def test_demo_under_the_launcher():
     """``python -m jax_seqpar demo`` across 2 processes: process 0 checks and reports."""
     code, out, err = run_launcher(
         "-n", 2, "--devices-per-process", 4, "--timeout", 100, "--", sys.executable, "-m",
-        "jax_seqpar", "demo", "--seq-len", 512, "--head-dim", 16, timeout=120)
+        "jax_seqpar", "demo", "--seq-len", 256, "--head-dim", 16, timeout=120)
     assert code == 0, out + err
     assert "[p0] 8 x cpu (cpu) in 2 processes" in out, out
     assert "budget 1e-05: PASS" in out, out
     rows = [ln.split()[1:] for ln in out.splitlines() if ln.startswith(("[p0] ring",
                                                                         "[p0] allgather"))]
-    assert [r[:3] for r in rows] == [["ring", "8", "512"], ["allgather", "8", "512"]], out
+    assert [r[:3] for r in rows] == [["ring", "8", "256"], ["allgather", "8", "256"]], out
     assert all(float(e) <= F32_TOL for r in rows for e in r[3:7])
     assert "[p1] ring" not in out  # only process 0 reports
 

@@ -22,7 +22,7 @@ from jax_seqpar.parallel.common import FWD_SCOPE
 from jax_seqpar.parallel.selective import EARLY_SCOPE, LATE_SCOPE
 from jax_seqpar.layers.remat import policy_for, ring_transfer_counts, seq_selective_attention
 
-L, G, S = 2, 4, 64
+L, G, S = 2, 2, 64  # two devices: one hop per ring pass is enough to count passes
 CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=L, num_heads=4, num_kv_heads=2)
 MODES = ("none", "full", "attention", "seq_selective", "attention_mlp")
 
