@@ -7,7 +7,9 @@
 # (constraints/jax-oldest.txt), saying so.  Override any of these:
 #   make test PYTHON=python3.13 VENV=.venv-313 CONSTRAINTS=        (newest JAX pip resolves)
 #   make test PYTEST_ARGS="-x tests/test_attention.py"
-PYTHON      ?= $(shell sh scripts/find_python.sh)
+ifeq ($(origin PYTHON),undefined)
+PYTHON      := $(shell sh scripts/find_python.sh)
+endif
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
