@@ -16,6 +16,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jax_seqpar.runtime import _compat
+from jax_seqpar.sharding.specs import (AxisRole, activation_spec, check_batch, check_roles,
+                                       head_plan, local_heads, normalize_role,
+                                       repeat_kv_heads)
 from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
@@ -53,13 +56,15 @@ def check_nonempty(name: str, shape) -> None:
                              f"skip the call for empty inputs")
 
 
-def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout):
+def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout,
+              batch_axis=None, head_axis=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     for name in _axis_tuple(axis_name):
         if name not in mesh.axis_names:
             raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
                              f"(mesh.axis_names={mesh.axis_names})")
+    check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     if strategy in PLANNED_STRATEGIES:
         raise NotImplementedError(f"strategy={strategy!r} is not implemented yet; "
                                   f"use one of {STRATEGIES}")
@@ -86,6 +91,8 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=} "
                          f"(GQA/MQA)")
+    check_batch(B, mesh, batch_axis)
+    head_plan(mesh, Hq, Hkv, head_axis)  # raises for query heads the head axis cannot split
     if layout not in ("striped", "auto"):  # striped: once its stripe is known; auto: chosen
         check_divisible(layout, S, _num_shards(mesh, axis_name))
     if segment_ids is not None:
@@ -103,6 +110,8 @@ def attention(
     *,
     mesh: Mesh,
     axis_name: Union[str, Tuple[str, ...]] = "sp",
+    batch_axis: AxisRole = None,
+    head_axis: AxisRole = None,
     strategy: str = "ring",
     causal: bool = False,
     window: WindowArg = None,
@@ -119,6 +128,14 @@ def attention(
     Args:
       q, k, v: ``[B, S, Hq, D]`` and ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``; one dtype.
       mesh, axis_name: the sequence axis is split into ``mesh.shape[axis_name]`` shards.
+      batch_axis, head_axis: mesh axes (a name, a tuple of names, or None: replicated)
+        that split the batch and the heads.  The arrays are sharded
+        ``P(batch_axis, axis_name, head_axis, None)``: each device computes its own rows
+        and heads, and the strategy's collectives run over ``axis_name`` only
+        (``jax_seqpar.sharding.specs``).  The query heads must divide by the devices of
+        ``head_axis``; the kv heads split with them when they divide too, else each kv
+        head is repeated ``T / gcd(Hkv, T)`` times, only as far as needed (Megatron's
+        rule).  Other head counts raise a ``ValueError`` naming them.
       strategy: ``"ring"`` (K/V circulate, O(S/G) memory), ``"allgather"`` (every device
         gathers K/V: the baseline) or ``"tree"`` (every device gathers the queries, K/V stay
         put, and the partial outputs are combined by Tree Attention's logsumexp reduction;
@@ -166,16 +183,20 @@ def attention(
     """
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
-    _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout)
+    _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout,
+              batch_axis, head_axis)
+    batch_axis, head_axis = normalize_role(batch_axis), normalize_role(head_axis)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
     G = _num_shards(mesh, axis_name)
+    T, repeats = head_plan(mesh, q.shape[2], k.shape[2], head_axis)
+    hq, hkv = local_heads(q.shape[2], k.shape[2], T, repeats)  # per device along head_axis
     if strategy == "usp":  # the layout deals the sequence over the outer (ring) axis
         outer, inner = usp_axes(axis_name)
-        check_heads(q.shape[2], k.shape[2], mesh.shape[inner], inner, strategy)
+        check_heads(hq, hkv, mesh.shape[inner], inner, strategy)
         G = mesh.shape[outer]
     elif strategy == "ulysses":
-        check_heads(q.shape[2], k.shape[2], G, axis_name, strategy)
+        check_heads(hq, hkv, G, axis_name, strategy)
     elif strategy == "double_ring":
         double_ring_axes(axis_name)
     if layout == "auto":
@@ -195,7 +216,7 @@ def attention(
                       backward=backward, kernel=kernel, block_mask=bm, stripe=stripe,
                       bwd_has_o=strategy != "tree")  # tree's backward passes delta only
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
-    key = (cfg, strategy, mesh, G, permuted, len(args))
+    key = (cfg, strategy, mesh, G, permuted, len(args), batch_axis, head_axis, repeats)
     try:
         hash(key)
     except TypeError:  # e.g. a user kernel object that is not hashable: no caching
@@ -223,12 +244,14 @@ def auto_layout(segment_ids, *, S: int, G: int, causal: bool, window=None, block
 
 
 @functools.lru_cache(maxsize=256)
-def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
+def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int,
+             batch_axis=None, head_axis=None, repeats: int = 1):
     """The jitted global program for one static configuration (cached, so repeated eager
     calls reuse the compiled executable instead of tracing a fresh closure each time).
 
     ``G`` is the number of layout shards: the devices of ``axis_name``, but for "usp"
-    only those of the outer (ring) axis (``parallel.ulysses``, token order)."""
+    only those of the outer (ring) axis (``parallel.ulysses``, token order).  ``repeats``:
+    how often each kv head is repeated for ``head_axis`` (``sharding.specs``)."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config,
                   "tree": tree_sequence_attention_with_config,
@@ -237,16 +260,20 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int):
                   "double_ring": double_ring_attention_with_config,
                   # not a public strategy: jax_seqpar.layers.remat.seq_selective_attention
                   "ring_selective": selective_ring_attention_with_config}[strategy]
-    seq = P(None, cfg.axis_name)
+    seq = activation_spec(batch_axis, cfg.axis_name, head_axis)
+    specs = (seq, seq, seq, activation_spec(batch_axis, cfg.axis_name, None, ndim=2))[:nargs]
     fn = _compat.shard_map(lambda q, k, v, s=None: per_device(cfg, q, k, v, s), mesh=mesh,
-                           in_specs=(seq,) * nargs, out_specs=seq,
+                           in_specs=specs, out_specs=seq,
                            check_vma=_compat.kernel_checks_vma(cfg.kernel))
     layout, stripe = cfg.layout, cfg.stripe
 
-    def run(*args):
+    def run(q, k, v, *seg):
+        k, v = repeat_kv_heads(k, repeats), repeat_kv_heads(v, repeats)
+        args = (q, k, v, *seg)
         if not permuted:  # natural order in and out; the ring works in layout order
-            args = tuple(_reorder(a, layout, G, stripe, mesh, seq, False) for a in args)
-        args = tuple(_compat.place(a, mesh, seq) for a in args)
+            args = tuple(_reorder(a, layout, G, stripe, mesh, spec, False)
+                         for a, spec in zip(args, specs))
+        args = tuple(_compat.place(a, mesh, spec) for a, spec in zip(args, specs))
         out = fn(*args)
         return out if permuted else _reorder(out, layout, G, stripe, mesh, seq, True)
 

@@ -32,11 +32,13 @@ from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.tree import tree_attention
+from jax_seqpar.sharding.specs import (check_batch, check_roles, head_plan, normalize_role,
+                                       repeat_kv_heads)
 
 STRATEGIES = ("tree", "ring", "allgather")
 
 
-def _validate(q, k, v, kv_lengths, mesh, axis_name):
+def _validate(q, k, v, kv_lengths, mesh, axis_name, batch_axis=None, head_axis=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -46,6 +48,7 @@ def _validate(q, k, v, kv_lengths, mesh, axis_name):
             raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
                              f"(mesh.axis_names={mesh.axis_names})")
         G *= mesh.shape[name]
+    check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "
@@ -63,6 +66,8 @@ def _validate(q, k, v, kv_lengths, mesh, axis_name):
                          f"head_dim")
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq=} must be a multiple of key/value heads {Hkv=}")
+    check_batch(B, mesh, batch_axis)
+    head_plan(mesh, Hq, Hkv, head_axis)
     if S % G:
         raise ValueError(f"cache length {S=} must be divisible by the number of devices "
                          f"along axis_name={axis_name!r} ({G}); pad the cache")
@@ -123,10 +128,13 @@ def decode_kernel_name(kernel, q):
 
 
 def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causal, kernel,
-            scale):
+            scale, batch_axis=None, head_axis=None):
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy={strategy!r}; choose one of {STRATEGIES}")
-    names, G = _validate(q, k_cache, v_cache, kv_lengths, mesh, axis_name)
+    names, G = _validate(q, k_cache, v_cache, kv_lengths, mesh, axis_name, batch_axis,
+                         head_axis)
+    batch_axis, head_axis = normalize_role(batch_axis), normalize_role(head_axis)
+    _, repeats = head_plan(mesh, q.shape[2], k_cache.shape[2], head_axis)
     axis = names if len(names) > 1 else names[0]
     B, Tq = q.shape[:2]
     S = k_cache.shape[1]
@@ -145,7 +153,7 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
     def ring(q, k, v, lengths):
         idx = lax.axis_index(axis)
         o = jnp.zeros(q.shape, jnp.float32)
-        lse = jnp.full((B, q.shape[2], Tq), -jnp.inf, jnp.float32)
+        lse = jnp.full((q.shape[0], q.shape[2], Tq), -jnp.inf, jnp.float32)  # local rows
         block = (k, v)
         for step in range(G):
             nxt = ring_shift(block, axis, G) if step < G - 1 else None
@@ -165,14 +173,17 @@ def _decode(strategy, q, k_cache, v_cache, *, mesh, axis_name, kv_lengths, causa
         return o.astype(q.dtype)
 
     fn = {"tree": tree, "ring": ring, "allgather": allgather}[strategy]
-    seq, rep = P(None, axis), P()
+    # queries and the output: replicated over the sequence axes, split over batch and heads
+    seq, rep = P(batch_axis, axis, head_axis, None), P(batch_axis, None, head_axis, None)
+    rows = P(batch_axis)
     # The baselines' results are the same on every device, but they are built from
     # device-varying values, so their replication cannot be checked by type.
-    smap = _compat.shard_map(fn, mesh=mesh, in_specs=(rep, seq, seq, rep), out_specs=rep,
+    smap = _compat.shard_map(fn, mesh=mesh, in_specs=(rep, seq, seq, rows), out_specs=rep,
                              check_vma=strategy == "tree" and _compat.kernel_checks_vma(cfg.kernel))
 
     def run(q, k, v, lengths):
-        q, lengths = _compat.place(q, mesh, rep), _compat.place(lengths, mesh, rep)
+        k, v = repeat_kv_heads(k, repeats), repeat_kv_heads(v, repeats)
+        q, lengths = _compat.place(q, mesh, rep), _compat.place(lengths, mesh, rows)
         k, v = _compat.place(k, mesh, seq), _compat.place(v, mesh, seq)
         return smap(q, k, v, lengths)
 
@@ -186,6 +197,8 @@ def tree_decode(
     *,
     mesh: Mesh,
     axis_name="sp",
+    batch_axis=None,
+    head_axis=None,
     kv_lengths: Optional[Int[Array, "B"]] = None,
     causal: bool = False,
     kernel="auto",
@@ -195,27 +208,36 @@ def tree_decode(
 
     Differentiable (``custom_vjp``: dq is summed over the devices, dk/dv stay local).
     ``axis_name`` may be a tuple of mesh axes: the reductions then span all of them.
+    ``batch_axis`` / ``head_axis`` split the batch rows and the heads (queries, cache and
+    output ``P(batch_axis, ., head_axis, None)``), as in ``jax_seqpar.attention``: the
+    reductions stay on ``axis_name``; kv heads fewer than the head axis are repeated as
+    far as needed (``sharding.specs``).
     ``kv_lengths`` ``[B]``: the valid cache entries of each sequence, in ``[0, S]``;
     concrete lengths outside that range raise ``ValueError``, traced ones (under
     ``jit``) are clamped into it (``clamp_lengths``).
     """
     return _decode("tree", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
-                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale,
+                   batch_axis=batch_axis, head_axis=head_axis)
 
 
-def ring_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", kv_lengths=None,
+def ring_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", batch_axis=None,
+                head_axis=None, kv_lengths=None,
                 causal: bool = False, kernel="auto", scale: Optional[float] = None):
     """Decode baseline: the cache slices circulate around the ring (G - 1 hops of K, V).
 
     Same signature and result as ``tree_decode``; forward only.
     """
     return _decode("ring", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
-                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale,
+                   batch_axis=batch_axis, head_axis=head_axis)
 
 
-def allgather_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", kv_lengths=None,
+def allgather_decode(q, k_cache, v_cache, *, mesh: Mesh, axis_name="sp", batch_axis=None,
+                     head_axis=None, kv_lengths=None,
                      causal: bool = False, kernel="auto", scale: Optional[float] = None):
     """Decode baseline: every device gathers the whole cache.  Same signature as
     ``tree_decode``; forward only."""
     return _decode("allgather", q, k_cache, v_cache, mesh=mesh, axis_name=axis_name,
-                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale)
+                   kv_lengths=kv_lengths, causal=causal, kernel=kernel, scale=scale,
+                   batch_axis=batch_axis, head_axis=head_axis)

@@ -26,11 +26,13 @@ from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
 from jax_seqpar.layers.remat import seq_selective_attention
+from jax_seqpar.sharding.specs import check_roles, normalize_role
 
 F32 = jnp.float32
 
 
-def check_mesh(mesh: Optional[Mesh], axis_name: str) -> None:
+def check_mesh(mesh: Optional[Mesh], axis_name: str, batch_axis=None,
+               head_axis=None) -> None:
     """Raise a ``ValueError`` naming the fix for meshes the Flax layers cannot use."""
     if mesh is None:
         return
@@ -39,6 +41,7 @@ def check_mesh(mesh: Optional[Mesh], axis_name: str) -> None:
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                          f"(mesh.axis_names={mesh.axis_names})")
+    check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     if _compat.has_explicit_axes(mesh):
         raise ValueError(
             "the Flax layers need a mesh with AxisType.Auto axes: the weight gradients of "
@@ -56,12 +59,15 @@ class SeqParallelOptions:
     inputs are in ``layout`` order (the model permuted its tokens once, at the input);
     RoPE then uses each row's global position, ``layouts.permutation(layout, S, G)``.
     ``seq_selective=True`` computes attention with ``remat.seq_selective_attention`` (for
-    ``remat.seq_selective_policy``).  The other fields mean what they mean in
-    ``jax_seqpar.attention``.
+    ``remat.seq_selective_policy``).  ``batch_axis`` / ``head_axis`` split the batch and
+    the heads over more mesh axes (``jax_seqpar.sharding.specs``).  The other fields mean
+    what they mean in ``jax_seqpar.attention``.
     """
 
     mesh: Optional[Mesh] = None
     axis_name: str = "sp"
+    batch_axis: Any = None
+    head_axis: Any = None
     layout: str = "contiguous"
     permuted: bool = False
     strategy: str = "ring"
@@ -72,7 +78,9 @@ class SeqParallelOptions:
     seq_selective: bool = False
 
     def __post_init__(self):
-        check_mesh(self.mesh, self.axis_name)
+        for name in ("batch_axis", "head_axis"):
+            object.__setattr__(self, name, normalize_role(getattr(self, name)))
+        check_mesh(self.mesh, self.axis_name, self.batch_axis, self.head_axis)
         check_layout(self.layout)
         object.__setattr__(self, "window", normalize_window(self.window))
         for name in ("permuted", "causal", "seq_selective"):
@@ -100,7 +108,7 @@ class SeqParallelOptions:
         """Constrain ``x`` ``[B, S, ...]`` to be split along the sequence (no-op without a mesh)."""
         if self.mesh is None:
             return x
-        spec = P(None, self.axis_name, *([None] * (x.ndim - 2)))
+        spec = P(self.batch_axis, self.axis_name, *([None] * (x.ndim - 2)))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def attend(self, q, k, v, *, positions=None, segment_ids=None,
@@ -121,7 +129,8 @@ class SeqParallelOptions:
         if self.mesh is None:
             return plain_attention(q, k, v, causal=self.causal, window=self.window,
                                    segment_ids=segment_ids)
-        kw = dict(mesh=self.mesh, axis_name=self.axis_name, causal=self.causal,
+        kw = dict(mesh=self.mesh, axis_name=self.axis_name, batch_axis=self.batch_axis,
+                  head_axis=self.head_axis, causal=self.causal,
                   window=self.window, segment_ids=segment_ids, layout=self.layout,
                   permuted=self.permuted, backward=self.backward, kernel=self.kernel)
         if self.seq_selective:

@@ -44,6 +44,8 @@ class SeqParallelAttention(nn.Module):
     num_kv_heads: Optional[int] = None
     mesh: Optional[Mesh] = None
     axis_name: str = "sp"
+    batch_axis: Any = None  # mesh axes of the batch and the heads (jax_seqpar.sharding.specs)
+    head_axis: Any = None
     layout: str = "contiguous"
     permuted: bool = False
     strategy: str = "ring"
@@ -61,7 +63,9 @@ class SeqParallelAttention(nn.Module):
     kernel_init: Callable = nn.initializers.lecun_normal()
 
     def options(self) -> SeqParallelOptions:
-        return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name, layout=self.layout,
+        return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name,
+                                  batch_axis=self.batch_axis, head_axis=self.head_axis,
+                                  layout=self.layout,
                                   permuted=self.permuted, strategy=self.strategy,
                                   backward=self.backward, kernel=self.kernel,
                                   causal=self.causal, window=self.window,

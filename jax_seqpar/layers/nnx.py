@@ -31,7 +31,8 @@ class SeqParallelAttention(nnx.Module):
 
     def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
                  num_kv_heads: Optional[int] = None, mesh: Optional[Mesh] = None,
-                 axis_name: str = "sp", layout: str = "contiguous", permuted: bool = False,
+                 axis_name: str = "sp", batch_axis: Any = None, head_axis: Any = None,
+                 layout: str = "contiguous", permuted: bool = False,
                  strategy: str = "ring", backward: str = "auto", kernel: Any = "auto",
                  causal: bool = False, window: WindowArg = None, seq_selective: bool = False,
                  rope_theta: Optional[float] = 10000.0,
@@ -42,7 +43,9 @@ class SeqParallelAttention(nnx.Module):
         hkv = num_kv_heads or num_heads
         if num_heads % hkv:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={hkv}")
-        self.options = SeqParallelOptions(mesh=mesh, axis_name=axis_name, layout=layout,
+        self.options = SeqParallelOptions(mesh=mesh, axis_name=axis_name,
+                                          batch_axis=batch_axis, head_axis=head_axis,
+                                          layout=layout,
                                           permuted=permuted, strategy=strategy,
                                           backward=backward, kernel=kernel, causal=causal,
                                           window=window, seq_selective=seq_selective)

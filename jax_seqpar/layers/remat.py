@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from jax_seqpar import api
 from jax_seqpar.layouts import check_divisible
 from jax_seqpar.masks import WindowArg
+from jax_seqpar.sharding.specs import head_plan, normalize_role
 from jax_seqpar.parallel.common import ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE, make_config
 from jax_seqpar.parallel.selective import (ATTN_LSE_LATE, ATTN_OUT_LATE, EARLY_SCOPE,
                                            LATE_SCOPE)
@@ -112,7 +113,7 @@ def policy_for(mode: str, offload: bool = False):
 
 
 def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[str, ...]] = "sp",
-                            causal: bool = False, window: WindowArg = None,
+                            batch_axis=None, head_axis=None, causal: bool = False, window: WindowArg = None,
                             segment_ids=None, layout: str = "contiguous",
                             permuted: bool = False, backward: str = "auto", kernel="auto",
                             scale: Optional[float] = None):
@@ -122,10 +123,13 @@ def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[
     (up to float32 rounding); each device's ``S / G`` tokens must be even."""
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
-    api._validate(q, k, v, segment_ids, mesh, axis_name, "ring", backward, layout)
+    api._validate(q, k, v, segment_ids, mesh, axis_name, "ring", backward, layout,
+                  batch_axis, head_axis)
+    batch_axis, head_axis = normalize_role(batch_axis), normalize_role(head_axis)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
     G = api._num_shards(mesh, axis_name)
+    _, repeats = head_plan(mesh, q.shape[2], k.shape[2], head_axis)
     check_divisible(layout, q.shape[1], G)
     if (q.shape[1] // G) % 2:
         raise ValueError(f"seq_selective_attention splits each shard in halves: the "
@@ -134,7 +138,8 @@ def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[
                       segment_ids=segment_ids, scale=scale, layout=layout,
                       backward=backward, kernel=kernel)
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype("int32"))
-    key = (cfg, "ring_selective", mesh, G, permuted, len(args))
+    key = (cfg, "ring_selective", mesh, G, permuted, len(args), batch_axis, head_axis,
+           repeats)
     try:
         hash(key)
     except TypeError:  # an unhashable user kernel object: no caching
