@@ -12,10 +12,10 @@ a single-device copy (``mesh=None``).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -79,12 +79,41 @@ class SeqParallelAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads or self.num_heads
         if hq % hkv:
             raise ValueError(f"num_heads={hq} must be a multiple of num_kv_heads={hkv}")
-        dense = functools.partial(nn.DenseGeneral, dtype=self.dtype,
-                                  param_dtype=self.param_dtype, kernel_init=self.kernel_init)
         out_bias = self.use_bias if self.out_bias is None else self.out_bias
-        q = dense((hq, self.head_dim), use_bias=self.use_bias, name="q_proj")(x)
-        k = dense((hkv, self.head_dim), use_bias=self.use_bias, name="k_proj")(x)
-        v = dense((hkv, self.head_dim), use_bias=self.use_bias, name="v_proj")(x)
+
+        def dense(features, names, bias_names, **kw):
+            # logical names of the kernel's and the bias's dimensions (sharding.parallelism):
+            # q/k/v split by output (heads), o by input: Megatron's column / row split
+            return nn.DenseGeneral(
+                features, dtype=self.dtype, param_dtype=self.param_dtype,
+                kernel_init=nn.with_logical_partitioning(self.kernel_init, names),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                       bias_names), **kw)
+
+        q = dense((hq, self.head_dim), ("embed", "heads", "head_dim"), ("heads", "head_dim"),
+                  use_bias=self.use_bias, name="q_proj")(x)
+        k, v = (dense((hkv, self.head_dim), ("embed", "kv_heads", "head_dim"),
+                      ("kv_heads", "head_dim"), use_bias=self.use_bias, name=name)(x)
+                for name in ("k_proj", "v_proj"))
         o = opts.attend(q, k, v, positions=positions, segment_ids=segment_ids,
                         rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
-        return dense(x.shape[-1], axis=(-2, -1), use_bias=out_bias, name="o_proj")(o)
+        return dense(x.shape[-1], ("heads", "head_dim", "embed"), (None,), axis=(-2, -1),
+                     use_bias=out_bias, name="o_proj")(o)
+
+    def init(self, *args, **kwargs):
+        """``nn.Module.init`` with plain arrays: the logical names stay out of the tree
+        (``logical_specs`` returns them)."""
+        return nn.meta.unbox(super().init(*args, **kwargs))
+
+    def logical_specs(self, *args, **kwargs):
+        """The logical names of every parameter (``nn.get_partition_spec``), from the
+        same arguments as ``init``; nothing is computed."""
+        return logical_specs(self, *args, **kwargs)
+
+
+def logical_specs(module: nn.Module, *args, **kwargs):
+    """Logical ``PartitionSpec`` of every variable of ``module.init(*args, **kwargs)``
+    (``nn.with_logical_partitioning`` names; ``P()`` for unnamed ones), by abstract
+    evaluation."""
+    boxed = jax.eval_shape(lambda: nn.Module.init(module, *args, **kwargs))
+    return nn.get_partition_spec(boxed)

@@ -36,11 +36,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_seqpar.layers.core import SeqParallelOptions
-from jax_seqpar.layers.linen import SeqParallelAttention
+from jax_seqpar.layers.linen import SeqParallelAttention, logical_specs
+from jax_seqpar.sharding.parallelism import Parallelism
 from jax_seqpar.models.hf_config import config_fields_from_hf, config_to_hf
 from jax_seqpar.models.hf_config import replace as replace_fields
 from jax_seqpar.layers.rope import RopeScaling, apply_rope, as_rope_scaling
@@ -186,11 +187,16 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,  # noqa
-                                         param_dtype=self.param_dtype, name=name)
-        gate = checkpoint_name(dense(self.hidden, "gate_proj")(x), MLP_GATE)
-        up = checkpoint_name(dense(self.hidden, "up_proj")(x), MLP_UP)
-        return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
+        def dense(n, names, name):  # gate, up split by output; down by input (Megatron)
+            return nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,
+                            param_dtype=self.param_dtype, name=name,
+                            kernel_init=nn.with_logical_partitioning(
+                                nn.initializers.lecun_normal(), names),
+                            bias_init=nn.with_logical_partitioning(
+                                nn.initializers.zeros_init(), names[1:]))
+        gate = checkpoint_name(dense(self.hidden, ("embed", "mlp"), "gate_proj")(x), MLP_GATE)
+        up = checkpoint_name(dense(self.hidden, ("embed", "mlp"), "up_proj")(x), MLP_UP)
+        return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)
 
 
 class LlamaBlock(nn.Module):
@@ -198,6 +204,18 @@ class LlamaBlock(nn.Module):
 
     config: LlamaConfig
     options: SeqParallelOptions
+    parallelism: Optional[Parallelism] = None
+
+    def residual(self, x):
+        """The residual stream between the two halves of a block: rows over the sequence
+        and the tensor axes (Megatron's sequence parallelism: each side's reduction over
+        the tensor axis is a reduce-scatter onto the rows, and the next side starts with
+        an all-gather: the bytes of one all-reduce, with the norms and residual adds on
+        1/T of the rows and 1/T of the activation memory)."""
+        if self.options.mesh is None or self.parallelism is None:
+            return self.options.shard(x)
+        return self.parallelism.constrain(x, ("batch", "residual", "embed"),
+                                          self.options.mesh)
 
     @nn.compact
     def __call__(self, x, segment_ids, positions):
@@ -206,16 +224,17 @@ class LlamaBlock(nn.Module):
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         attn = SeqParallelAttention(
             num_heads=c.num_heads, head_dim=c.head_dim, num_kv_heads=c.num_kv_heads,
-            mesh=o.mesh, axis_name=o.axis_name, layout=o.layout, permuted=o.permuted,
+            mesh=o.mesh, axis_name=o.axis_name, batch_axis=o.batch_axis,
+            head_axis=o.head_axis, layout=o.layout, permuted=o.permuted,
             strategy=o.strategy, backward=o.backward, kernel=o.kernel, causal=True,
             window=c.window, seq_selective=o.seq_selective, rope_theta=c.rope_theta,
             rope_scaling=c.rope_scaling, use_bias=c.attention_bias,
             out_bias=c.attention_out_bias, dtype=dt, param_dtype=pdt, name="attn")
         h = x + attn(RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x), segment_ids, positions)
-        h = o.shard(h)
+        h = self.residual(h)
         out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, name="mlp")(
             RMSNorm(c.norm_eps, dt, pdt, name="mlp_norm")(h))
-        return o.shard(out)
+        return self.residual(out)
 
 
 class Llama(nn.Module):
@@ -232,15 +251,82 @@ class Llama(nn.Module):
     them back.  ``return_hidden=True`` returns the final-norm hidden states ``[B, S,
     d_model]`` instead of the logits (the fused loss applies the head itself; see
     ``head_weights``).  ``mesh=None``: a plain single-device model with the same parameters.
+
+    ``parallelism`` (``jax_seqpar.sharding.Parallelism``): which mesh axes split the batch
+    (data, fsdp), the tokens (sequence) and the heads, MLP units and vocabulary (tensor,
+    Megatron-LM's pattern); every parameter and activation carries logical names
+    (``logical_specs``) that its rules map onto the mesh.  ``None``: today's one-axis
+    model, the sequence over ``axis_name`` (``Parallelism.one_axis(axis_name)``).  With a
+    ``parallelism``, ``axis_name`` is its sequence axis.
     """
 
     config: LlamaConfig
     mesh: Optional[Mesh] = None
-    axis_name: str = "sp"
+    axis_name: Any = "sp"
     layout: str = "zigzag"
     strategy: str = "ring"
     backward: str = "auto"
     kernel: Any = "auto"
+    parallelism: Optional[Parallelism] = None
+
+    def __post_init__(self):
+        par = self.parallelism
+        if par is not None:
+            if not isinstance(par, Parallelism):
+                raise TypeError(f"parallelism={par!r} must be a jax_seqpar.sharding."
+                                f"Parallelism or None")
+            if self.mesh is None:
+                raise ValueError("parallelism=... places the model on a mesh; pass mesh=...")
+            par.check(self.mesh)
+            if self.axis_name not in ("sp", par.sequence):
+                raise ValueError(f"axis_name={self.axis_name!r} and parallelism.sequence="
+                                 f"{par.sequence!r} disagree; with a parallelism leave "
+                                 f"axis_name out")
+            object.__setattr__(self, "axis_name", par.sequence)
+            c, T = self.config, par.sizes(self.mesh)["tensor"]
+            if c.num_heads % T:
+                raise ValueError(
+                    f"parallelism.tensor={par.tensor!r} splits the heads over {T} devices, "
+                    f"but the model has {c.num_heads} query heads ({c.num_kv_heads} kv "
+                    f"heads); use a tensor axis whose size divides {c.num_heads}, or give "
+                    f"those devices to the sequence or the batch")
+        super().__post_init__()
+
+    @property
+    def par(self) -> Parallelism:
+        """The model's ``Parallelism`` (``Parallelism.one_axis(axis_name)`` when None)."""
+        return self.parallelism or Parallelism.one_axis(self.axis_name)
+
+    def constrain(self, x, names):
+        """``x`` laid out by its logical ``names`` (no-op without a mesh; the one-axis
+        model keeps today's placement: rows over ``axis_name``)."""
+        if self.mesh is None:
+            return x
+        if self.parallelism is None:
+            return self.options().shard(x)
+        return self.parallelism.constrain(x, names, self.mesh)
+
+    def init(self, *args, **kwargs):
+        """``nn.Module.init`` with plain arrays (``logical_specs`` gives the names)."""
+        return nn.meta.unbox(super().init(*args, **kwargs))
+
+    def logical_specs(self, *args, **kwargs):
+        """Logical names of every parameter, from ``init``'s arguments (nothing computed)."""
+        return logical_specs(self, *args, **kwargs)
+
+    def param_shardings(self, *args, **kwargs):
+        """``NamedSharding`` of every parameter on the model's mesh: the logical names
+        through ``parallelism``'s rules (largest dividing group of axes per dimension)."""
+        if self.mesh is None:
+            raise ValueError("the model has no mesh (mesh=None)")
+        specs = self.logical_specs(*args, **kwargs)
+        shapes = jax.eval_shape(lambda: nn.Module.init(self, *args, **kwargs))
+        shapes = nn.meta.unbox(shapes)
+        par = self.par
+        def one(spec, s):  # unnamed parameters (norm scales) have P(): never split
+            names = tuple(spec) + (None,) * (len(s.shape) - len(spec))
+            return par.sharding(self.mesh, names, s.shape)
+        return jax.tree.map(one, specs, shapes, is_leaf=lambda x: isinstance(x, P))
 
     def options(self) -> SeqParallelOptions:
         if self.config.remat in ("attention", "seq_selective", "attention_mlp") and (
@@ -250,7 +336,10 @@ class Llama(nn.Module):
                              f"and strategy='ring' (got strategy={self.strategy!r}, "
                              f"mesh={'None' if self.mesh is None else 'given'}); or use "
                              f"remat='full'")
+        par = self.parallelism
+        batch = None if par is None or not par.batch_axes else par.batch_axes
         return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name,
+                                  batch_axis=batch, head_axis=None if par is None else par.tensor,
                                   layout=self.layout, permuted=True, strategy=self.strategy,
                                   backward=self.backward, kernel=self.kernel, causal=True,
                                   window=self.config.window,
@@ -281,22 +370,25 @@ class Llama(nn.Module):
             raise ValueError(f"remat='seq_selective' needs seq_len={S} divisible by "
                              f"2*{opts.num_shards} devices")
         check_positions(positions, tokens.shape)
+        rows = ("batch", "length")
         if positions is None:
             positions = jnp.asarray(self.permutation(S))      # each row's global position
         else:
-            positions = opts.shard(self.to_layout(jnp.asarray(positions, jnp.int32)))
-        tokens = opts.shard(self.to_layout(tokens))           # the one permutation
-        segment_ids = None if segment_ids is None else opts.shard(self.to_layout(segment_ids))
+            positions = self.constrain(self.to_layout(jnp.asarray(positions, jnp.int32)), rows)
+        tokens = self.constrain(self.to_layout(tokens), rows)  # the one permutation
+        segment_ids = (None if segment_ids is None
+                       else self.constrain(self.to_layout(segment_ids), rows))
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
-                         embedding_init=nn.initializers.normal(0.02), name="embed")
-        x = opts.shard(embed(tokens))
+                         embedding_init=nn.with_logical_partitioning(
+                             nn.initializers.normal(0.02), ("vocab", "embed")), name="embed")
+        x = self.constrain(embed(tokens), ("batch", "residual", "embed"))
         block = LlamaBlock
         if c.remat != "none":
             block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),
                              prevent_cse=True)
         for i in range(c.num_layers):
-            x = block(c, opts, name=f"layer_{i}")(x, segment_ids, positions)
+            x = block(c, opts, self.parallelism, name=f"layer_{i}")(x, segment_ids, positions)
         x = RMSNorm(c.norm_eps, dt, pdt, name="final_norm")(x)
         if return_hidden:
             return x if layout_order else self.from_layout(x)
@@ -304,6 +396,8 @@ class Llama(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt,
+                              kernel_init=nn.with_logical_partitioning(
+                                  nn.initializers.lecun_normal(), ("embed", "vocab")),
                               name="lm_head")(x)
         return logits if layout_order else self.from_layout(logits)
 
@@ -434,8 +528,11 @@ def next_token_loss(model: Llama, params, tokens, loss_mask=None, segment_ids=No
     if c.fused_loss:
         h = model.apply(params, tokens, segment_ids, positions, layout_order=True,
                         return_hidden=True)
+        par = model.parallelism
+        extra = {} if par is None else dict(
+            vocab_axis=par.tensor, batch_axis=par.batch_axes or None)
         loss, m = fused_lm_head_loss(h, head_weights(model, params), targets, weights,
-                                     mesh=model.mesh, axis_name=model.axis_name,
+                                     mesh=model.mesh, axis_name=model.axis_name, **extra,
                                      block_s=c.loss_block_s, block_v=c.loss_block_v,
                                      dtype=c.dtype)
         return loss, {"loss": loss, "accuracy": m["accuracy"], "tokens": m["tokens"]}

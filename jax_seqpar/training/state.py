@@ -28,14 +28,17 @@ from typing import Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
 
 #: The keys a batch may have (``tokens`` is required); all ``[B, S]``, natural order.
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
-#: How parameters and optimizer state are laid out over the mesh.
-SHARDING_MODES = ("fsdp", "replicated")
+#: How parameters and optimizer state are laid out over the mesh: ``"logical"`` by the
+#: model's logical names and its ``parallelism`` (``sharding.parallelism``), ``"fsdp"``
+#: each large array split over one axis (``sharding.fsdp``), ``"replicated"``; ``"auto"``
+#: is ``"logical"`` for a model with a ``parallelism``, else ``"fsdp"``.
+SHARDING_MODES = ("auto", "logical", "fsdp", "replicated")
 #: Where the optimizer state lives between steps: ``"device"``, or ``"pinned_host"``
 #: (host memory through JAX's memory kinds; the step brings it to the device for the
 #: update and writes the new state back).
@@ -93,7 +96,7 @@ def _init_fn(model, optimizer, tokens_shape):
 
 
 def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[Mesh] = None,
-                         axis: Optional[str] = None, sharding: str = "fsdp",
+                         axis: Optional[str] = None, sharding: str = "auto",
                          min_elements: int = 2 ** 14, opt_memory: str = "device") -> TrainState:
     """The train state as ``jax.ShapeDtypeStruct``s carrying their ``NamedSharding``s.
 
@@ -102,7 +105,10 @@ def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[
     initialises onto.  ``key`` is the initialiser's PRNG key (only its kind matters here:
     a typed ``jax.random.key`` or a raw ``PRNGKey``); ``tokens_shape`` is ``(batch,
     seq_len)`` of any batch the model accepts (the parameters do not depend on it).
-    ``mesh`` / ``axis`` default to the model's; ``sharding="fsdp"`` splits each array of
+    ``mesh`` / ``axis`` default to the model's; ``sharding="logical"`` (the default,
+    ``"auto"``, for a model built with a ``parallelism``) lays every parameter out by
+    its logical names and the optimizer state like its parameter (``like_params``);
+    ``sharding="fsdp"`` (the default for one-axis models) splits each array of
     at least ``min_elements`` over ``axis`` (``fsdp.fsdp_shardings``), ``"replicated"``
     keeps a full copy on every device.  ``opt_memory="pinned_host"`` places the optimizer
     state's shards in host memory (same layout, memory kind ``pinned_host``): the device
@@ -118,8 +124,20 @@ def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[
     if opt_memory not in OPT_MEMORY:
         raise ValueError(f"opt_memory={opt_memory!r} must be one of {OPT_MEMORY}")
     mesh, axis = _mesh_and_axis(model, mesh, axis)
-    shapes = jax.eval_shape(_init_fn(model, optimizer, _check_tokens_shape(tokens_shape)), key)
-    if sharding == "fsdp":
+    tokens_shape = _check_tokens_shape(tokens_shape)
+    shapes = jax.eval_shape(_init_fn(model, optimizer, tokens_shape), key)
+    if sharding == "auto":
+        sharding = "logical" if getattr(model, "parallelism", None) is not None else "fsdp"
+    if sharding == "logical":
+        if getattr(model, "parallelism", None) is None or mesh != model.mesh:
+            raise ValueError("sharding='logical' lays the state out by the model's "
+                             "parallelism on its own mesh: build the model with "
+                             "mesh=..., parallelism=... (and leave mesh= out here)")
+        params = model.param_shardings(key, jnp.zeros(tokens_shape, jnp.int32))
+        shardings = TrainState(params=params,
+                               opt_state=like_params(shapes.opt_state, params, mesh),
+                               step=NamedSharding(mesh, P()), rng=NamedSharding(mesh, P()))
+    elif sharding == "fsdp":
         shardings = fsdp_shardings(shapes, mesh, axis, min_elements=min_elements)
     else:
         shardings = replicated_shardings(shapes, mesh)
@@ -128,6 +146,26 @@ def abstract_train_state(model, optimizer, key, tokens_shape, *, mesh: Optional[
             lambda sh: sh.with_memory_kind(opt_memory), shardings.opt_state))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)
+
+
+def like_params(tree, param_shardings, mesh: Mesh):
+    """Shardings for an optimizer state: a leaf whose path ends with a parameter's path
+    and has its shape (AdamW's moments, momentum, ...) gets that parameter's sharding;
+    any other leaf (step counts, scalars) is replicated."""
+    by_path = {}
+    for path, sh in jax.tree_util.tree_flatten_with_path(
+            param_shardings, is_leaf=lambda x: isinstance(x, Sharding))[0]:
+        by_path[tuple(str(k) for k in path)] = sh
+
+    def one(path, leaf):
+        keys = tuple(str(k) for k in path)
+        for start in range(len(keys)):
+            sh = by_path.get(keys[start:])
+            if sh is not None and len(sh.spec) <= len(leaf.shape):
+                return sh
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _on_device(sharding: Sharding) -> Sharding:
