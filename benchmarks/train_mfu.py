@@ -50,11 +50,20 @@ environment says otherwise.
         --packed 4096                                    # packed vs unpacked, one run
     python benchmarks/train_mfu.py --preset gpu --sizes 7b --devices 1 --tokens-per-gpu 32768 \
         --remat attention,attention_mlp,attention_mlp+offload --memory-account
+    python benchmarks/train_mfu.py --preset cpu --mesh "none;data=2,sequence=2,tensor=2"
+
+**N-D meshes** (issue 38): ``--mesh`` takes ``;``-separated meshes, one row each:
+``none`` (the one-axis model), ``data=..,fsdp=..,sequence=..,tensor=..`` (role sizes,
+``sharding.make_mesh``; ``data * fsdp`` rows of ``tokens_per_gpu * G / rows`` tokens per
+step, the state laid out by the model's logical rules) or ``auto``
+(``sharding.choose_mesh``).  ``none;sequence=1`` on one device compares today's path with
+the N-D one in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import sys
@@ -72,6 +81,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from jax_seqpar.parallel.comm_time import Link  # noqa: E402
+from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from jax_seqpar.sharding.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.layers.remat import REMAT_MODES  # noqa: E402
@@ -156,23 +167,38 @@ def matmul_rate(n=8192):
 
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
-          lr=1e-4, seed=0, packed=None, opt_memory="device"):
+          lr=1e-4, seed=0, packed=None, opt_memory="device", mesh_sizes=None):
     """``(step, state, batches, cfg, state_bytes, lengths)``; ``step(state, batch)`` ->
     ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
     donated and kept on the shardings of ``params_mode``, created in place by
     ``init_train_state``).  ``batches``: ``{"unpacked": {"tokens"}}``, and with ``packed``
     (a median document length) also ``"packed"``: the same tokens with the segment ids and
-    positions of ``packed_row``, whose document ``lengths`` are returned (else None)."""
+    positions of ``packed_row``, whose document ``lengths`` are returned (else None).
+
+    ``mesh_sizes`` (``{"data": .., "fsdp": .., "sequence": .., "tensor": ..}``, from
+    ``--mesh``): an N-D mesh with ``sharding.Parallelism`` (``Llama(parallelism=...)``,
+    the state laid out by the logical rules) and ``data * fsdp`` rows of ``S`` tokens;
+    None: the one-axis model over ``G`` devices, one row."""
     devs = jax.devices()[:G]
-    mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
     mode, offload = parse_remat(remat)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=mode,
                       remat_offload=offload)
-    model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
-    seq = NamedSharding(mesh, P(None, "sp"))
+    if mesh_sizes is None:
+        mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
+        model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
+        seq, B = NamedSharding(mesh, P(None, "sp")), 1
+    else:
+        mesh, par = make_mesh(mesh_sizes, devs)
+        model = Llama(cfg, mesh=mesh, parallelism=par, layout="zigzag", backward="auto",
+                      kernel="auto")
+        seq = par.sharding(mesh, ("batch", "length"))
+        B = mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+        if packed is not None:
+            raise ValueError("--packed with --mesh: not supported yet (one packed row)")
+        params_mode = "logical" if params_mode == "fsdp" else params_mode
     lengths = None
     if packed is None:
-        tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (1, S), 0, cfg.vocab_size,
+        tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (B, S), 0, cfg.vocab_size,
                                     jnp.int32)
         batches = {"unpacked": {"tokens": jax.device_put(tokens, seq)}}
     else:
@@ -182,15 +208,42 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
         batches = {"packed": row, "unpacked": {"tokens": row["tokens"]}}
     opt = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1)
     key = jax.random.PRNGKey(seed)
-    abstract = abstract_train_state(model, opt, key, (1, S), sharding=params_mode,
+    abstract = abstract_train_state(model, opt, key, (B, S), sharding=params_mode,
                                     opt_memory=opt_memory)
-    state = init_train_state(model, opt, key, (1, S), sharding=params_mode,
+    state = init_train_state(model, opt, key, (B, S), sharding=params_mode,
                              opt_memory=opt_memory)
     step = make_train_step(model, opt, shardings=abstract)
     params_bytes = bytes_per_device(abstract.params, shardings_of(abstract.params))
     state_bytes = params_bytes + bytes_per_device(abstract.opt_state,
                                                   shardings_of(abstract.opt_state))
     return step, state, batches, cfg, (state_bytes, params_bytes), lengths
+
+
+def mesh_label(sizes) -> str:
+    return "x".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 device"
+
+
+def mesh_arg(text: str, size: str, G: int, S: int, remat: str):
+    """One ``--mesh`` entry -> role sizes (None for ``"none"``).  ``"auto"`` asks
+    ``sharding.choose_mesh`` for one node of ``G`` H200s (NVLink 450 GB/s per device,
+    141 GB, 989 TFLOP/s) and prints its reason; a batch of one row per step."""
+    text = text.strip()
+    if text == "none":
+        return None
+    if text == "auto":
+        cfg = LlamaConfig(**SIZES[size])
+        choice = choose_mesh(cfg, seq_len=S, global_batch=1, devices_per_node=G,
+                             intra_link=Link(450e9, 5e-6), device_memory=141e9,
+                             device_flops=989e12,
+                             remat="none" if remat == "none" else "full")
+        print(f"# --mesh auto for {size} G={G} S={S}: {choice.sizes} ({choice.reason})",
+              flush=True)
+        return dict(choice.sizes)
+    sizes = parse_mesh_arg(text)
+    if math.prod(sizes.values()) != G:
+        raise ValueError(f"--mesh {text!r}: the sizes multiply to "
+                         f"{math.prod(sizes.values())}, not the {G} devices of this row")
+    return sizes
 
 
 def parse_remat(entry: str):
@@ -280,12 +333,13 @@ def host_peak_gib() -> float:
 
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
-            account=False, profile=None, opt_memory="device"):
+            account=False, profile=None, opt_memory="device", mesh_sizes=None):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
     compiled and run once, then ``steps`` timed steps of each, alternating."""
     step, state, batches, cfg, (state_bytes, params_bytes), lengths = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed,
-        opt_memory=opt_memory)
+        opt_memory=opt_memory, mesh_sizes=mesh_sizes)
+    B = 1 if mesh_sizes is None else mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
     acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
                           params_bytes, opt_memory) if account else None)
     if acc is not None:  # before running: a step that runs out of memory still shows it
@@ -324,8 +378,10 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
     for kind in batches:
         t = float(np.median(ts[kind]))
         fl = flops_per_token(cfg, S, documents=lengths if kind == "packed" else None)
-        tgs = S / t / G
-        row = dict(size=size, G=G, S=S, tokens_per_gpu=S // G, params_mode=params_mode,
+        tgs = B * S / t / G
+        row = dict(size=size, G=G, S=S, batch_rows=B, tokens_per_gpu=B * S // G,
+                   mesh=mesh_sizes or "one axis",
+                   params_mode="logical" if mesh_sizes and params_mode == "fsdp" else params_mode,
                    remat=remat, dtype=dtype, batch=kind, step_s=t, step_times_s=ts[kind],
                    first_step_s=first[kind], tgs=tgs, flops_per_token=fl["total"],
                    attention_flops_share=fl["attention"] / fl["total"],
@@ -348,7 +404,8 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
         if rate:
             row["mfu_vs_matmul"] = tgs * fl["total"] / rate
         label = "" if packed is None else f"{kind:8s} "
-        print(f"{size:4s} G={G} S={S:7d} {params_mode:10s} {label}remat {remat}: step {t:8.3f} s  "
+        where = "" if mesh_sizes is None else f"mesh {mesh_label(mesh_sizes)} "
+        print(f"{size:4s} G={G} S={S:7d} {where}{row['params_mode']:10s} {label}remat {remat}: step {t:8.3f} s  "
               f"TGS {tgs:9.1f}  "
               + (f"MFU {100 * row['mfu']:5.1f}%  " if peak else "")
               + (f"(of measured matmul {100 * row['mfu_vs_matmul']:5.1f}%)  " if rate else "")
@@ -403,6 +460,11 @@ def main(argv=None):
                    help="trace one more step per row into DIR and print kernel time by "
                         "category")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--mesh", default=None,
+                   help="';'-separated meshes, one row each: 'none' (the one-axis model), "
+                        "'data=..,fsdp=..,sequence=..,tensor=..' (sizes multiplying to the "
+                        "device count; data x fsdp rows per step) or 'auto' "
+                        "(sharding.choose_mesh for an H200 node)")
     p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
                    help="also time a packed step: documents with log-normal lengths of this "
                         "median, segment ids and per-document positions, alternating with "
@@ -444,23 +506,31 @@ def main(argv=None):
     cfg["packed"] = args.packed
     path = os.path.join(out_dir(), f"train_mfu_{name}"
                         + (f"_packed{args.packed}" if args.packed else "") + ".json")
-    plan = [(size, G, S, remat) for size in cfg["sizes"] for G in counts
+    meshes = args.mesh.split(";") if args.mesh else ["none"]
+    plan = [(size, G, S, remat, mesh) for size in cfg["sizes"] for G in counts
             for S in ([int(x) for x in args.seq.split(",")] if args.seq
                       else [t * G for t in cfg["tokens_per_gpu"]])
-            for remat in cfg["remat"]]
-    for size, G, S, remat in plan:
+            for remat in cfg["remat"] for mesh in meshes]
+    for size, G, S, remat, mesh in plan:
+        if mesh.strip() not in ("none", "auto") and math.prod(
+                parse_mesh_arg(mesh).values()) != G:
+            continue  # a mesh of another device count: not this row
         try:
-            result["rows"].extend(measure(size, G, S, dtype=cfg["dtype"], remat=remat,
-                                          params_mode=args.params, steps=cfg["steps"],
-                                          peak=cfg["peak"], rate=rate, packed=args.packed,
-                                          account=args.memory_account,
-                                          profile=args.profile,
-                                          opt_memory=args.opt_memory))
+            sizes = mesh_arg(mesh, size, G, S, remat)
+            rows = 1 if sizes is None else sizes["data"] * sizes["fsdp"]
+            if S % rows:
+                raise ValueError(f"{S} tokens per step do not divide into {rows} rows")
+            result["rows"].extend(measure(size, G, S // rows, dtype=cfg["dtype"],
+                                          remat=remat, params_mode=args.params,
+                                          steps=cfg["steps"], peak=cfg["peak"], rate=rate,
+                                          packed=args.packed, account=args.memory_account,
+                                          profile=args.profile, opt_memory=args.opt_memory,
+                                          mesh_sizes=sizes))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            print(f"{size} G={G} S={S} remat {remat}: FAILED {msg}", flush=True)
+            print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: FAILED {msg}", flush=True)
             result["rows"].append(dict(size=size, G=G, S=S, params_mode=args.params,
-                                       remat=remat, error=msg))
+                                       remat=remat, mesh=mesh, error=msg))
         save_json(result, path)
     table([r for r in result["rows"] if "error" not in r])
     return 0

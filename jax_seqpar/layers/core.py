@@ -26,7 +26,7 @@ from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
 from jax_seqpar.layers.remat import seq_selective_attention
-from jax_seqpar.sharding.specs import check_roles, normalize_role
+from jax_seqpar.sharding.specs import check_roles, normalize_role, role_size
 
 F32 = jnp.float32
 
@@ -123,6 +123,8 @@ class SeqParallelOptions:
         S = q.shape[1]
         if positions is None:
             positions = self.positions(S)
+        if self.mesh is not None and self.head_axis is not None:
+            q, k, v = self._split_heads(q, k, v)
         if rope_theta is not None:
             q = apply_rope(q, positions, rope_theta, rope_scaling)
             k = apply_rope(k, positions, rope_theta, rope_scaling)
@@ -136,6 +138,19 @@ class SeqParallelOptions:
         if self.seq_selective:
             return seq_selective_attention(q, k, v, **kw)
         return attention(q, k, v, strategy=self.strategy, **kw)
+
+
+    def _split_heads(self, q, k, v):
+        """Lay the projections out as attention takes them (column-parallel q/k/v):
+        heads over ``head_axis``; kv heads that the head axis does not divide stay whole
+        there (attention repeats them, ``sharding.specs``), so the compiler computes
+        them whole instead of splitting and regathering them."""
+        T = role_size(self.mesh, self.head_axis)
+        kv_axis = self.head_axis if k.shape[2] % T == 0 else None
+        def put(x, heads):
+            spec = P(self.batch_axis, self.axis_name, heads, None)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return put(q, self.head_axis), put(k, kv_axis), put(v, kv_axis)
 
 
 def plain_attention(q, k, v, *, causal=False, window=None, segment_ids=None):
