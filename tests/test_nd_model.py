@@ -223,3 +223,46 @@ def test_checkpoint_resumes_on_other_factorizations(tmp_path):
         assert restored.step == 2
         _, _, got = train(MESHES[name], state=restored.state, steps=2, start=2)
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- loading
+def test_pretrained_checkpoint_streams_onto_the_rules():
+    """A transformers checkpoint loaded onto data 2 x sequence 2 x tensor 2: every tensor
+    on the sharding the logical rules give it, and the model's logits equal transformers'
+    (the committed reference) to 1e-5."""
+    import os
+
+    from helpers import assert_close as close
+    from jax_seqpar.models.hf import load_pretrained
+
+    fix = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+    ref = np.load(os.path.join(fix, "llama_plain.npz"))
+    mesh, par = make_mesh(MESHES["data2_seq2_tensor2"])
+    cfg, params = load_pretrained(os.path.join(fix, "llama_plain"), mesh=mesh,
+                                  parallelism=par, dtype="float32")
+    model = Llama(cfg, mesh=mesh, parallelism=par)
+    ids = np.concatenate([ref["input_ids"]] * 2)  # a batch the data axis can split
+    want = model.param_shardings(jax.random.key(0), jnp.asarray(ids))
+    for got, w in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        assert got.sharding == w
+    logits = jax.jit(model.apply)(params, jnp.asarray(ids))
+    close(logits[: len(ref["input_ids"])], ref["logits"], TOL, "llama_plain on 2x2x2")
+
+
+def test_smollm2_head_counts_on_tensor_3():
+    """SmolLM2-135M's heads (9 query, 3 kv) as tensor 3 x sequence 2 on 6 devices: every
+    head count splits by 3; loss and gradients equal one device."""
+    cfg = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv_heads=3,
+                      ffn_dim=96)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 24)), jnp.int32)
+    params = Llama(cfg).init(jax.random.key(1), tokens)
+    batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+             "positions": jnp.broadcast_to(jnp.arange(24), tokens.shape)}
+    want = loss_and_grads(Llama(cfg), params, batch)
+    mesh, par = make_mesh(dict(sequence=2, tensor=3), jax.devices()[:6])
+    model = Llama(cfg, mesh=mesh, parallelism=par)
+    sh = model.param_shardings(jax.random.key(1), tokens)
+    assert sh["params"]["layer_0"]["attn"]["k_proj"]["kernel"].spec == P(
+        "sequence", "tensor", None)
+    got = loss_and_grads(model, jax.device_put(params, sh), batch)
+    check_equal(*got, *want, "9/3 heads on tensor 3 x sequence 2")

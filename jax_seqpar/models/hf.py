@@ -234,7 +234,8 @@ def _load_tensor(info: TensorInfo, e: Entry, sharding, dtype) -> jax.Array:
 
 def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
                     dtype: str = "bfloat16", param_dtype: str = "float32",
-                    params: str = "fsdp", ignore_fields=(), **config_overrides):
+                    params: str = "fsdp", ignore_fields=(), parallelism=None,
+                    **config_overrides):
     """``(LlamaConfig, params)`` from a transformers checkpoint directory.
 
     ``dtype`` / ``param_dtype``: the model's activation and parameter dtypes (the weights
@@ -244,7 +245,10 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     are ``LlamaConfig`` fields (``rope_theta=..., rope_scaling=...`` for context
     extension, ``remat=...``); ``ignore_fields``: config.json fields known not to change
     the model, accepted unread.  ``params`` is ``{"params": ...}`` as ``Llama.init``
-    returns it.
+    returns it.  ``parallelism`` (a ``sharding.Parallelism`` of ``mesh``): every tensor
+    goes onto the sharding that ``Llama(config, mesh=mesh, parallelism=parallelism)``
+    gives it by its logical names (``Llama.param_shardings``; still one tensor at a
+    time, each device reading only its slice) instead of the one-axis ``params`` modes.
     """
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
@@ -259,7 +263,14 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     tensors = checkpoint_tensors(path)
     tmap = tensor_map(cfg)
     _check(tensors, tmap, cfg, arch)
-    if mesh is None:
+    if parallelism is not None:
+        if mesh is None:
+            raise ValueError("parallelism=... places the tensors on a mesh; pass mesh=...")
+        shardings = _logical_shardings(cfg, mesh, parallelism)
+        missing = set(tmap) - set(shardings)
+        if missing:  # pragma: no cover - tensor_map and the model disagree
+            raise ValueError(f"the model has no parameter for {sorted(missing)[:3]}")
+    elif mesh is None:
         one = SingleDeviceSharding(jax.local_devices()[0])
         shardings = {k: one for k in tmap}
     elif params not in PARAMS_MODES:
@@ -272,6 +283,19 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
     flat = {k: _load_tensor(tensors[e.hf_name], e, shardings[k], pdt) for k, e in tmap.items()}
     return cfg, {"params": unflatten_dict(flat)}
+
+
+def _logical_shardings(cfg, mesh: Mesh, parallelism) -> dict:
+    """``{flattened parameter path: NamedSharding}`` of the N-D model (abstract: nothing
+    is initialised)."""
+    from flax.traverse_util import flatten_dict
+
+    from jax_seqpar.models.llama import Llama
+
+    model = Llama(cfg, mesh=mesh, parallelism=parallelism)
+    sizes = parallelism.sizes(mesh)
+    tokens = jnp.zeros((sizes["data"] * sizes["fsdp"], 2 * sizes["sequence"]), jnp.int32)
+    return flatten_dict(model.param_shardings(jax.random.key(0), tokens)["params"])
 
 
 # --------------------------------------------------------------------------- writing

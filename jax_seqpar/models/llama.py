@@ -382,7 +382,12 @@ class Llama(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.with_logical_partitioning(
                              nn.initializers.normal(0.02), ("vocab", "embed")), name="embed")
-        x = self.constrain(embed(tokens), ("batch", "residual", "embed"))
+        # the lookup's rows first as the tokens are laid out, then onto the residual
+        # stream: XLA 0.11's SPMD partitioner aborts ("Could not slice dimension 1") when
+        # asked to go from a vocab x embed split table straight to rows over sequence x
+        # tensor on a tensor axis of 3 (tests/test_nd_model.py, SmolLM2's head counts)
+        x = self.constrain(embed(tokens), ("batch", "length", "embed"))
+        x = self.constrain(x, ("batch", "residual", "embed"))
         block = LlamaBlock
         if c.remat != "none":
             block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),
