@@ -43,6 +43,64 @@ where a slice of a stacked buffer would be copied for the kernel call every step
 Parameters are used replicated (every device computes the projections and the MLP of
 the few new tokens, as tree decoding requires); FSDP-sharded parameters are gathered
 once, before the loop.  ``mesh=None`` uses ``model.mesh``, or one device.
+
+**N-D meshes** (``Llama(config, mesh=mesh, parallelism=par)``, issue 38): ``generate``
+runs on the model's mesh with every role at work, all of it in one ``shard_map`` over
+the whole mesh whose collectives name one role each:
+
+* **batch** (``par.batch_axes``: data, then fsdp): each device holds and computes only
+  its own prompt rows; no collective names these axes.
+* **sequence**: as above -- the prompt and the cache striped over it, ring attention in
+  the prefill's first pass, the gathered-query passes after it and the tree reduction
+  (one ``pmax``, one ``psum``) at every decode step, all over the sequence axes only
+  (per device the same code as ``api.attention`` / ``decode.tree_decode`` with
+  ``batch_axis`` and ``head_axis``).
+* **tensor** (Megatron-LM, Shoeybi et al. 2019 §3): the weights stay split as the
+  model's ``param_shardings`` split them over the tensor axes (the fsdp / sequence
+  splits of their ``embed`` dimension are gathered once, before the loop, as above):
+  q / k / v, gate and up by output, o and down by input, the embedding and the LM head
+  by vocabulary.  Each device reads only its slice at every token: its query heads
+  (``Hq / T``), its kv heads, ``ffn / T`` MLP units and ``V / T`` vocabulary rows.
+  The row-split projections (o, down) end in one ``psum`` over the tensor axes each
+  (their biases added after it, once); the vocab-split embedding looks up the ids in
+  its range and one ``psum`` assembles the rows; the LM head's ``V / T`` logits are
+  ``all_gather``-ed (what sampling needs; Megatron's inference gathers them too).
+  Dimensions the tensor axes do not divide stay whole (the model's rule), and the
+  device computes them whole, without a collective.
+* **The cache** of each layer is ``[B, cache_len, Hc, D]``, sharded
+  ``P(batch axes, sequence, tensor, None)``: each device holds ``B / Db`` rows, a
+  ``1 / G`` stripe of the positions and ``Hc / T`` kv heads -- those of its own query
+  heads.  ``Hc = Hkv`` when the tensor axes divide the kv heads; when they do not, the
+  kv heads are *stored repeated*, ``Hc = Hkv * r`` with ``r = T / gcd(Hkv, T)``
+  (``sharding.specs.kv_head_repeats``: only as far as needed), each device computing
+  only its own ``Hc / T = Hkv / gcd(Hkv, T)`` heads of k and v (the k / v weights are
+  whole on every device then, and it slices the heads it needs before projecting).
+  The other choice, the original ``Hkv`` heads replicated over the tensor axes, holds
+  ``Hkv`` heads per device: ``gcd(Hkv, T)`` times the bytes of the repeated layout
+  (equal only when ``gcd = 1``, e.g. MQA), and decoding, which reads the whole local
+  cache at every token, would read that much more too (or gather its heads out of
+  it).  Per device and layer the cache takes ``2 * (B / Db) * (cache_len / G) *
+  (Hc / T) * D`` elements; over the mesh ``Hc / T <= Hkv`` heads a device, never more
+  than the model has.
+
+Bytes per decode step (one new token per row; ``collective_bytes`` conventions: an
+all-reduce of ``n`` bytes sends ``2 (N - 1) / N * n``, an all-gather ``(N - 1) * n``),
+per device, with ``b = B / Db`` local rows, ``s`` the activation dtype's bytes, ``L``
+layers, ``G`` / ``T`` devices along the sequence / tensor axes:
+
+* sequence, per layer: ``2 (G - 1) / G * 4 * b * (Hq / T) * (D + 2)`` (the ``pmax`` of
+  ``lse`` ``[b, Hq / T, 1]`` and the fused ``psum`` of ``[b, 1, Hq / T, D + 1]``, float32:
+  Tree Attention Eq. 10-14 on the local heads);
+* tensor, per layer: ``2 * 2 (T - 1) / T * b * d * s`` (the o and down ``psum`` of
+  ``[b, 1, d]``); per token on top: ``2 (T - 1) / T * b * d * s`` (the embedding's
+  ``psum``) and ``(T - 1) / T * b * V * 4`` (the float32 logits' ``all_gather``).  The
+  down ``psum`` is there when the tensor axes split the MLP, the embedding's and the
+  logits' when they split the vocabulary (else those weights are whole on each device);
+* batch axes: nothing in the step.  Around it, the loop's stop test with an ``eos_id``
+  (every row done?) is one all-reduce of one byte over the batch axes per token;
+  without ``eos_id`` there is none.
+
+``tests/test_nd_generate.py`` reads these bytes off the compiled step, to the byte.
 """
 
 from __future__ import annotations
@@ -67,6 +125,9 @@ from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.ring import ring_attention_with_config
 from jax_seqpar.parallel.tree import gathered_query_attention, tree_attention
+from jax_seqpar.sharding.parallelism import Parallelism
+from jax_seqpar.sharding.specs import (AxisRole, axis_tuple, kv_head_repeats, normalize_role,
+                                       role_size)
 
 F32 = jnp.float32
 #: Default prefill pass: at most this many tokens per device (times the batch).
@@ -101,20 +162,22 @@ def _round_up(n: int, m: int) -> int:
 
 def make_plan(batch: int, prompt_len: int, max_new_tokens: int, num_shards: int, *,
               max_prompt_len: int, cache_len: Optional[int] = None,
-              prefill_chunk: Optional[int] = None) -> GenerationPlan:
+              prefill_chunk: Optional[int] = None, batch_shards: int = 1) -> GenerationPlan:
     """Check the sizes and choose the prefill passes and the cache length.
 
     ``max_prompt_len`` is the longest row's prompt (``max(prompt_lengths)``).  The cache
     must hold every prefilled position (the prompt padded to whole passes) and the
     positions of the ``max_new_tokens - 1`` tokens that are fed back (the last one is
-    returned, never attended to).
+    returned, never attended to).  ``batch_shards``: the devices that split the batch
+    (each prefills ``batch / batch_shards`` rows: the default pass budget counts those).
     """
     G = num_shards
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
     if prefill_chunk is None:
-        budget = max(G, PREFILL_TOKENS_PER_DEVICE * G // max(batch, 1) // G * G)
+        rows = max(batch // max(batch_shards, 1), 1)
+        budget = max(G, PREFILL_TOKENS_PER_DEVICE * G // rows // G * G)
         prefill_chunk = min(_round_up(prompt_len, G), budget)
     elif isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
             or prefill_chunk < 1 or prefill_chunk % G:
@@ -160,13 +223,124 @@ def _params(params):
 
 # ------------------------------------------------------------------ per-device programs
 
-def _prefill_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params, tokens,
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """``LlamaParts`` on one device's slice of the weights along the tensor axes
+    (Megatron-LM's column / row split; see the module docstring).  Use inside
+    ``shard_map``.
+
+    ``axis``: the tensor axes (None: no tensor parallelism, and every method is
+    ``LlamaParts``' own); ``size``: their devices ``T``; ``repeats``: how often each kv
+    head is repeated (``sharding.specs.kv_head_repeats``).  Which weights are split is
+    read from their local shapes: a dimension the tensor axes split is ``1 / T`` of the
+    config's, one they leave whole is the config's.
+    """
+
+    config: LlamaConfig
+    axis: AxisRole = None
+    size: int = 1
+    repeats: int = 1
+
+    @property
+    def cache_heads(self) -> int:
+        """kv heads of the global cache: ``Hkv * repeats``."""
+        return self.config.num_kv_heads * self.repeats
+
+    def local_parts(self, p) -> LlamaParts:
+        """``LlamaParts`` of this device's heads, MLP units and vocabulary rows."""
+        c, T = self.config, self.size
+        if self.axis is None:
+            return LlamaParts(c)
+        vocab = p["embed"]["embedding"].shape[0]
+        if not c.tie_embeddings and p["lm_head"]["kernel"].shape[1] != vocab:
+            raise ValueError(f"the embedding ({vocab} rows here) and the LM head "
+                             f"({p['lm_head']['kernel'].shape[1]} columns) must split the "
+                             f"vocabulary alike over the tensor axes")
+        mlp = p["layer_0"]["mlp"]["gate_proj"]["kernel"].shape[1]
+        if vocab not in (c.vocab_size, c.vocab_size // T) or mlp not in (c.ffn_dim,
+                                                                         c.ffn_dim // T):
+            raise ValueError(f"parameters split neither whole nor 1/{T} over the tensor "
+                             f"axes {self.axis!r}: vocabulary {vocab} of {c.vocab_size}, "
+                             f"MLP {mlp} of {c.ffn_dim}")
+        return LlamaParts(dataclasses.replace(
+            c, num_heads=c.num_heads // T, num_kv_heads=self.cache_heads // T,
+            head_dim=c.head_dim, ffn_dim=mlp, vocab_size=vocab, attention_out_bias=False))
+
+    def embed(self, parts: LlamaParts, p, tokens):
+        """Token embeddings ``[..., d]``; a vocab-split table looks up the ids in its own
+        range (zeros elsewhere) and one ``psum`` over the tensor axes assembles them."""
+        V = parts.config.vocab_size
+        if self.axis is None or V == self.config.vocab_size:
+            return parts.embed(p, tokens)
+        ids = tokens - lax.axis_index(self.axis) * V
+        inside = (ids >= 0) & (ids < V)
+        x = parts.embed(p, jnp.where(inside, ids, 0))
+        return lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), self.axis)
+
+    def _kv_weights(self, parts: LlamaParts, w):
+        """This device's kv heads of a k / v projection: its slice already when the
+        tensor axes split the kv heads; else (whole weights) the heads of its repeated
+        slice, ``(t * Hc/T + i) // repeats``, taken before projecting."""
+        hc = parts.config.num_kv_heads
+        if self.repeats == 1 and w["kernel"].shape[1] == hc:   # hc = Hkv / T: split
+            return w
+        if w["kernel"].shape[1] != self.config.num_kv_heads:
+            raise ValueError(f"k/v projection with {w['kernel'].shape[1]} heads on this "
+                             f"device: neither {hc} (split) nor {self.config.num_kv_heads}")
+        idx = (lax.axis_index(self.axis) * hc + jnp.arange(hc)) // self.repeats
+        out = {"kernel": jnp.take(w["kernel"], idx, axis=1)}
+        if "bias" in w:
+            out["bias"] = jnp.take(w["bias"], idx, axis=0)
+        return out
+
+    def block(self, parts: LlamaParts, lp, x, positions, attend):
+        """One decoder block on this device's heads and MLP units; ``attend(q, k, v)``
+        gets the local heads.  The row-split o / down projections are summed over the
+        tensor axes (one ``psum`` each) and their biases added once, after the sum."""
+        if self.axis is None:
+            return parts.block(lp, x, positions, attend)
+        a = lp["attn"]
+        attn = {"q_proj": a["q_proj"], "k_proj": self._kv_weights(parts, a["k_proj"]),
+                "v_proj": self._kv_weights(parts, a["v_proj"]),
+                "o_proj": {"kernel": a["o_proj"]["kernel"]}}
+        q, k, v = parts.qkv(attn, parts.norm(lp["attn_norm"], x), positions)
+        o = lax.psum(parts.out(attn, attend(q, k, v)), self.axis)
+        if "bias" in a["o_proj"]:
+            o = o + a["o_proj"]["bias"].astype(o.dtype)
+        h = x + o
+        m = lp["mlp"]
+        split = parts.config.ffn_dim != self.config.ffn_dim
+        down = m["down_proj"]
+        if split and "bias" in down:          # the bias once, after the sum
+            m = dict(m, down_proj={"kernel": down["kernel"],
+                                   "bias": jnp.zeros_like(down["bias"])})
+        y = parts.mlp(m, parts.norm(lp["mlp_norm"], h))
+        if split:
+            y = lax.psum(y, self.axis)
+            if "bias" in down:
+                y = y + down["bias"].astype(y.dtype)
+        return h + y
+
+    def logits(self, parts: LlamaParts, p, x):
+        """Float32 logits ``[..., V]``: the vocab-split head's ``V / T`` columns are
+        gathered over the tensor axes."""
+        out = parts.logits(p, x)
+        if self.axis is not None and parts.config.vocab_size != self.config.vocab_size:
+            out = lax.all_gather(out, self.axis, axis=out.ndim - 1, tiled=True)
+        return out
+
+
+def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, tokens,
                    last_pos):
-    """Per device: ``tokens`` ``[B, P_pad / G]`` (this device's striped share of the
-    prompt), ``last_pos`` ``[B]`` (each row's last prompt position).  Returns the logits
-    ``[B, V]`` after each row's last prompt token and this device's cache shards."""
-    c, p = parts.config, _params(params)
-    G, B, cl = plan.num_shards, plan.batch, plan.chunk // plan.num_shards
+    """Per device: ``tokens`` ``[b, P_pad / G]`` (this device's striped share of its
+    rows' prompts), ``last_pos`` ``[b]`` (each row's last prompt position).  Returns the
+    logits ``[b, V]`` after each row's last prompt token and this device's cache shards
+    (``[b, cache_len / G, Hc / T, D]`` each)."""
+    p = _params(params)
+    parts = tp.local_parts(p)
+    c = parts.config                     # this device's heads (the whole model's without T)
+    G, cl = plan.num_shards, plan.chunk // plan.num_shards
+    B = tokens.shape[0]
     slots = plan.cache_len // G
     idx = lax.axis_index(axis)
     dt = jnp.dtype(c.dtype)
@@ -186,7 +360,7 @@ def _prefill_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params
         start = i * cl
         toks = lax.dynamic_slice_in_dim(tokens, start, cl, axis=1)
         pos = ((start + jnp.arange(cl)) * G + idx).astype(jnp.int32)   # [cl]
-        x = parts.embed(p, toks)
+        x = tp.embed(parts, p, toks)
         for layer in range(c.num_layers):
             def attend(q, k, v, layer=layer):
                 ks[layer] = lax.dynamic_update_slice_in_dim(ks[layer], k, start, axis=1)
@@ -198,7 +372,7 @@ def _prefill_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params
                 o, _ = gathered_query_attention(cfg, q, ks[layer], vs[layer], q_pos_all,
                                                 kv_pos)
                 return o
-            x = parts.block(p[f"layer_{layer}"], x, pos, attend)
+            x = tp.block(parts, p[f"layer_{layer}"], x, pos, attend)
         own = (last_pos % G == idx) & (last_pos // plan.chunk == i)
         j = jnp.clip(last_pos // G - start, 0, cl - 1)
         h = x[jnp.arange(B), j].astype(F32)                            # [B, d]
@@ -211,7 +385,7 @@ def _prefill_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, params
         cache, h_last = lax.fori_loop(
             1, plan.num_chunks, lambda i, s: run_chunk(i, *s, first=False), (cache, h_last))
     h_last = lax.psum(h_last, axis)       # one device holds each row's: exact
-    return parts.logits(p, h_last.astype(dt)[:, None])[:, 0], cache
+    return tp.logits(parts, p, h_last.astype(dt)[:, None])[:, 0], cache
 
 
 DECODE_STRATEGIES = ("tree", "ring", "allgather")
@@ -243,12 +417,15 @@ def _cache_attention(strategy, cfg, axis, G, q, k, v, q_pos, shard_positions):
     return o.astype(q.dtype)
 
 
-def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, strategy, params,
+def _decode_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, strategy, params,
                   tok, pos, cache):
-    """Per device, one decode step: ``tok``, ``pos`` ``[B]`` (replicated) -> logits
-    ``[B, V]`` (replicated) and the cache shards with the new keys/values written."""
-    c, p = parts.config, _params(params)
-    G, B = plan.num_shards, plan.batch
+    """Per device, one decode step: ``tok``, ``pos`` ``[b]`` (this device's rows,
+    replicated over the sequence and tensor axes) -> logits ``[b, V]`` (the same) and the
+    cache shards with the new keys/values written."""
+    p = _params(params)
+    parts = tp.local_parts(p)
+    c = parts.config
+    G, B = plan.num_shards, tok.shape[0]
     slots = plan.cache_len // G
     idx = lax.axis_index(axis)
     own = (pos % G) == idx
@@ -259,7 +436,7 @@ def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, strateg
     def shard_positions(j):                      # striped: slot s of device j is s*G + j
         return (jnp.arange(slots, dtype=jnp.int32) * G + j).astype(jnp.int32)
 
-    x = parts.embed(p, tok[:, None])                                    # [B, 1, d]
+    x = tp.embed(parts, p, tok[:, None])                                # [B, 1, d]
     for layer in range(c.num_layers):
         def attend(q, k, v, layer=layer):
             for buf, new in ((ks, k), (vs, v)):
@@ -271,8 +448,8 @@ def _decode_local(parts: LlamaParts, plan: GenerationPlan, axis, kernel, strateg
                               backward="kv", kernel=kernel)
             return _cache_attention(strategy, cfg, axis, G, q, ks[layer], vs[layer],
                                     pos[:, None], shard_positions)
-        x = parts.block(p[f"layer_{layer}"], x, pos[:, None], attend)
-    return parts.logits(p, x)[:, 0], (tuple(ks), tuple(vs))
+        x = tp.block(parts, p[f"layer_{layer}"], x, pos[:, None], attend)
+    return tp.logits(parts, p, x)[:, 0], (tuple(ks), tuple(vs))
 
 
 # ------------------------------------------------------------------- compiled programs
@@ -284,14 +461,20 @@ class Generator:
     ``prefill(params, prompts, prompt_lengths) -> (logits [B, V], cache)`` and
     ``decode(callback)(params, first_logits, prompt_lengths, cache, rng) -> (tokens
     [B, N], cache)``; the
-    cache is ``(keys, values)``, tuples of one ``[B, cache_len, Hkv, D]`` array per layer,
-    sharded along the sequence (striped placement).  ``generate`` runs both; benchmarks
-    time them apart.
+    cache is ``(keys, values)``, tuples of one ``[B, cache_len, Hc, D]`` array per layer
+    (``Hc``: ``cache_heads``), sharded ``P(batch_axis, axis_name, head_axis, None)``
+    (``cache_spec``; striped placement along the sequence).  ``generate`` runs both;
+    benchmarks time them apart.
+
+    ``batch_axis`` / ``head_axis``: the mesh axes (of more than one device) that split
+    the prompts' rows and the heads (an N-D model's batch and tensor axes; None for the
+    one-axis model); ``param_specs``: ``((path, PartitionSpec), ...)``, the tensor-axes
+    part of the model's ``param_shardings`` (``()``: every parameter replicated).
     """
 
     config: LlamaConfig
     mesh: Mesh
-    axis_name: str
+    axis_name: AxisRole
     plan: GenerationPlan
     temperature: float = 0.0
     top_k: Optional[int] = None
@@ -300,26 +483,67 @@ class Generator:
     kernel: str = "auto"
     decode_kernel: str = "auto"
     decode_strategy: str = "tree"
+    batch_axis: AxisRole = None
+    head_axis: AxisRole = None
+    param_specs: tuple = ()
 
     @property
     def parts(self) -> LlamaParts:
         return LlamaParts(self.config)
 
+    @property
+    def tensor_split(self) -> TensorSplit:
+        """The per-device ``LlamaParts`` on this generator's tensor axes."""
+        c, T = self.config, role_size(self.mesh, self.head_axis)
+        if self.head_axis is None:
+            return TensorSplit(c)
+        return TensorSplit(c, self.head_axis, T,
+                           kv_head_repeats(c.num_heads, c.num_kv_heads, T,
+                                           head_axis=self.head_axis))
+
+    @property
+    def cache_heads(self) -> int:
+        """kv heads of each cache array: ``Hkv``, or ``Hkv * r`` repeated for the tensor
+        axes (module docstring)."""
+        return self.tensor_split.cache_heads
+
+    def _spec(self, kind: str) -> P:
+        b, s, h = self.batch_axis, self.axis_name, self.head_axis
+        return {"tokens": P(b, s), "rows": P(b), "logits": P(b, None),
+                "cache": P(b, s, h, None)}[kind]
+
     def cache_spec(self):
-        seq = NamedSharding(self.mesh, P(None, self.axis_name))
-        return tuple((seq,) * self.config.num_layers for _ in range(2))
+        """``NamedSharding`` of every cache array: ``P(batch_axis, axis_name, head_axis,
+        None)``."""
+        sh = NamedSharding(self.mesh, self._spec("cache"))
+        return tuple((sh,) * self.config.num_layers for _ in range(2))
+
+    def param_partition_specs(self, params):
+        """``PartitionSpec`` of every leaf of ``params`` (with or without the
+        ``{"params": ...}`` level): its ``param_specs`` entry, else replicated."""
+        table = dict(self.param_specs)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: table.get(_path_keys(path), P()), params)
 
     def replicate(self, params):
-        """``params`` replicated on every device of the mesh (a no-op when they are)."""
-        return jax.device_put(params, NamedSharding(self.mesh, P()))
+        """``params`` placed for generation: split over the tensor axes as the model's
+        ``param_shardings`` split them, replicated over every other axis (FSDP splits
+        gathered once); on the one-axis model replicated on every device.  A no-op when
+        they already are."""
+        specs = self.param_partition_specs(params)
+        return jax.device_put(params, jax.tree.map(
+            lambda sp: NamedSharding(self.mesh, sp), specs,
+            is_leaf=lambda x: isinstance(x, P)))
 
     @functools.cached_property
     def prefill(self):
         plan, axis, mesh = self.plan, self.axis_name, self.mesh
         perm = jnp.asarray(permutation("striped", plan.padded_len, plan.num_shards))
-        seq, rep = P(None, axis), P()
+        toks_spec, rows, logits = (self._spec(k) for k in ("tokens", "rows", "logits"))
+        cache = self._spec("cache")
         L = self.config.num_layers
-        local = functools.partial(_prefill_local, self.parts, plan, axis, self.kernel)
+        local = functools.partial(_prefill_local, self.tensor_split, plan, axis,
+                                  self.kernel)
 
         def run(params, prompts, lengths):
             pad = plan.padded_len - prompts.shape[1]
@@ -327,10 +551,10 @@ class Generator:
             toks = jnp.take(toks, perm, axis=1)                         # striped order
             smap = _compat.shard_map(
                 local, mesh=mesh, check_vma=False,
-                in_specs=(jax.tree.map(lambda _: rep, params), seq, rep),
-                out_specs=(rep, ((seq,) * L, (seq,) * L)))
-            return smap(params, _compat.place(toks, mesh, seq),
-                        lengths.astype(jnp.int32) - 1)
+                in_specs=(self.param_partition_specs(params), toks_spec, rows),
+                out_specs=(logits, ((cache,) * L, (cache,) * L)))
+            return smap(params, _compat.place(toks, mesh, toks_spec),
+                        _compat.place(lengths.astype(jnp.int32) - 1, mesh, rows))
         return jax.jit(run)
 
     def decode(self, callback=None):
@@ -344,24 +568,25 @@ class Generator:
         """One decode step over the whole mesh (``shard_map`` of ``_decode_local``):
         ``(params, tokens [B], positions [B], cache) -> (logits [B, V], cache)``.  Jit it
         to read its program (``comm.collective_bytes``: per layer one ``pmax`` and one
-        ``psum``)."""
+        ``psum`` over the sequence axes; with tensor axes the bytes of the module
+        docstring on them)."""
         plan, axis, cfg = self.plan, self.axis_name, self.config
-        seq, rep = P(None, axis), P()
+        rows, logits, cache = (self._spec(k) for k in ("rows", "logits", "cache"))
         L = cfg.num_layers
         kernel = self.decode_kernel
         if kernel == "auto":
             probe = jnp.zeros((1, 1, cfg.num_heads, cfg.head_dim), cfg.dtype)
             kernel = decode_kernel_name("auto", probe)
-        local = functools.partial(_decode_local, self.parts, plan, axis, kernel,
+        local = functools.partial(_decode_local, self.tensor_split, plan, axis, kernel,
                                   self.decode_strategy)
+        caches = ((cache,) * L, (cache,) * L)
 
-        def step(params, tok, pos, cache):
+        def step(params, tok, pos, kv):
             smap = _compat.shard_map(
                 local, mesh=self.mesh, check_vma=False,
-                in_specs=(jax.tree.map(lambda _: rep, params), rep, rep,
-                          ((seq,) * L, (seq,) * L)),
-                out_specs=(rep, ((seq,) * L, (seq,) * L)))
-            return smap(params, tok, pos, cache)
+                in_specs=(self.param_partition_specs(params), rows, rows, caches),
+                out_specs=(logits, caches))
+            return smap(params, tok, pos, kv)
         return step
 
     def _decode_program(self, callback):
@@ -383,6 +608,8 @@ class Generator:
 
             def cond(state):
                 step, _, done, _, _ = state
+                if self.eos_id is None:   # no row stops early: no test across the rows
+                    return step < N
                 return (step < N) & ~jnp.all(done)
 
             def body(state):
@@ -443,17 +670,65 @@ def _check_prompts(prompts, prompt_lengths):
 
 
 def _resolve_mesh(model, mesh, axis_name):
+    """``(mesh, sequence axes, parallelism or None)`` of one ``generate`` call."""
+    par = model.parallelism
     if mesh is None:
         mesh = model.mesh
     if mesh is None:
-        return Mesh(np.asarray(jax.devices()[:1]), (axis_name,))
+        return Mesh(np.asarray(jax.devices()[:1]), (axis_name,)), axis_name, None
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
                         f"{type(mesh).__name__}")
+    if par is not None:
+        par.check(mesh)
+        if axis_name not in ("sp", par.sequence):
+            raise ValueError(f"axis_name={axis_name!r} and the model's parallelism.sequence="
+                             f"{par.sequence!r} disagree; with a parallelism leave "
+                             f"axis_name out")
+        return mesh, par.sequence, par
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                          f"(mesh.axis_names={mesh.axis_names})")
-    return mesh
+    return mesh, axis_name, None
+
+
+def _path_keys(path) -> tuple:
+    """A parameter's path as a tuple of names, without a leading ``"params"``."""
+    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return keys[1:] if keys[:1] == ("params",) else keys
+
+
+def _split_axes(mesh, axes) -> AxisRole:
+    """``axes`` without those of one device (they split nothing), normalized."""
+    return normalize_role(tuple(a for a in axis_tuple(axes) if mesh.shape[a] > 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor_param_specs(config: LlamaConfig, mesh: Mesh, par: Parallelism,
+                        head_axis: AxisRole) -> tuple:
+    """``((path, PartitionSpec), ...)``: the model's ``param_shardings`` with only the
+    tensor axes kept (the fsdp / sequence / data splits are gathered once, for good:
+    decoding would otherwise gather every weight at every token)."""
+    if head_axis is None:
+        return ()
+    tensor = axis_tuple(head_axis)
+    model = Llama(config, mesh=mesh, parallelism=par)
+    rows = role_size(mesh, par.batch_axes)
+    width = 2 * role_size(mesh, par.sequence) * role_size(mesh, head_axis)
+    shardings = model.param_shardings(jax.random.key(0), jnp.zeros((rows, width), jnp.int32))
+    out = []
+    for path, sh in jax.tree_util.tree_flatten_with_path(shardings)[0]:
+        dims = []
+        for entry in sh.spec:
+            kept = tuple(a for a in axis_tuple(entry) if a in tensor)
+            if kept and kept != tensor:
+                raise NotImplementedError(
+                    f"{jax.tree_util.keystr(path)} is split over {kept!r}, part of the "
+                    f"tensor axes {tensor!r}: generation splits a weight over all of "
+                    f"them or none")
+            dims.append(normalize_role(kept))
+        out.append((_path_keys(path), P(*dims)))
+    return tuple(out)
 
 
 def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None,
@@ -475,14 +750,24 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
                                or not 0 <= eos_id < model.config.vocab_size):
         raise ValueError(f"eos_id={eos_id!r} must be a token id in [0, "
                          f"{model.config.vocab_size}) or None")
-    mesh = _resolve_mesh(model, mesh, axis_name)
+    mesh, axis_name, par = _resolve_mesh(model, mesh, axis_name)
     B, P_ = prompts_shape
-    plan = make_plan(B, P_, max_new_tokens, mesh.shape[axis_name],
+    batch_axis = head_axis = None
+    specs = ()
+    if par is not None:
+        batch_axis = _split_axes(mesh, par.batch_axes)
+        head_axis = _split_axes(mesh, par.tensor_axes)
+        specs = _tensor_param_specs(model.config, mesh, par, head_axis)
+    rows = role_size(mesh, batch_axis)
+    if B % rows:
+        raise ValueError(f"the batch axes {batch_axis!r} split the prompts over {rows} "
+                         f"devices, but the batch of {B} prompts does not divide by {rows}")
+    plan = make_plan(B, P_, max_new_tokens, role_size(mesh, axis_name),
                      max_prompt_len=P_ if max_prompt_len is None else max_prompt_len,
-                     cache_len=cache_len, prefill_chunk=prefill_chunk)
+                     cache_len=cache_len, prefill_chunk=prefill_chunk, batch_shards=rows)
     return _generator(model.config, mesh, axis_name, plan, float(temperature), top_k,
                       None if top_p is None else float(top_p), eos_id, kernel,
-                      decode_kernel, decode_strategy)
+                      decode_kernel, decode_strategy, batch_axis, head_axis, specs)
 
 
 def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Optional[Mesh] = None,
@@ -495,12 +780,18 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
 
     Args:
       model, params: a ``models.Llama`` and its parameters (``model.init`` or
-        ``models.hf.load_pretrained``); the model's own mesh and layout are not used.
+        ``models.hf.load_pretrained``, placed anyhow); the model's own layout is not
+        used.  A model with a ``parallelism`` generates on its mesh with every role at
+        work (module docstring, "N-D meshes"): the prompts' rows over the batch axes,
+        the cache over the sequence and (its kv heads) the tensor axes, the weights
+        split over the tensor axes as its ``param_shardings`` split them.
       prompts: int ``[B, P]``, right-padded; ``prompt_lengths`` ``[B]`` (default: all
         ``P``) says where each row's prompt ends.  Row ``b``'s first new token follows
         ``prompts[b, prompt_lengths[b] - 1]``.
       mesh, axis_name: the KV cache is sharded over ``mesh[axis_name]`` (module
-        docstring); ``mesh=None``: ``model.mesh``, or one device.
+        docstring); ``mesh=None``: ``model.mesh``, or one device.  With a
+        ``parallelism`` the sequence axes are its own (leave ``axis_name`` out), and the
+        batch must divide by the devices of its batch axes.
       temperature, top_k, top_p, rng: sampling (``models.sampling``); ``temperature=0``
         is greedy.  The same ``rng`` gives the same tokens.
       eos_id: a row stops at this token; its later positions are filled with ``eos_id``
@@ -531,5 +822,5 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
     return gen.decode(callback)(params, logits, lengths, cache, rng)[0]
 
 
-__all__ = ["DECODE_STRATEGIES", "GenerationPlan", "Generator", "LlamaParts", "generate", "generator_for",
-           "make_plan"]
+__all__ = ["DECODE_STRATEGIES", "GenerationPlan", "Generator", "LlamaParts", "TensorSplit",
+           "generate", "generator_for", "make_plan"]
