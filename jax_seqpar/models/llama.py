@@ -184,9 +184,16 @@ class SwiGLU(nn.Module):
     dtype: Any = F32
     param_dtype: Any = F32
     use_bias: bool = False
+    mesh: Optional[Mesh] = None
+    parallelism: Optional[Parallelism] = None
 
     @nn.compact
     def __call__(self, x):
+        def split(h):  # the hidden units over the tensor axis (and its cotangent alike)
+            if self.mesh is None or self.parallelism is None:
+                return h
+            return self.parallelism.constrain(h, ("batch", "length", "mlp"), self.mesh)
+
         def dense(n, names, name):  # gate, up split by output; down by input (Megatron)
             return nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype,
                             param_dtype=self.param_dtype, name=name,
@@ -194,8 +201,9 @@ class SwiGLU(nn.Module):
                                 nn.initializers.lecun_normal(), names),
                             bias_init=nn.with_logical_partitioning(
                                 nn.initializers.zeros_init(), names[1:]))
-        gate = checkpoint_name(dense(self.hidden, ("embed", "mlp"), "gate_proj")(x), MLP_GATE)
-        up = checkpoint_name(dense(self.hidden, ("embed", "mlp"), "up_proj")(x), MLP_UP)
+        gate = checkpoint_name(split(dense(self.hidden, ("embed", "mlp"), "gate_proj")(x)),
+                               MLP_GATE)
+        up = checkpoint_name(split(dense(self.hidden, ("embed", "mlp"), "up_proj")(x)), MLP_UP)
         return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)
 
 
@@ -208,10 +216,8 @@ class LlamaBlock(nn.Module):
 
     def residual(self, x):
         """The residual stream between the two halves of a block: rows over the sequence
-        and the tensor axes (Megatron's sequence parallelism: each side's reduction over
-        the tensor axis is a reduce-scatter onto the rows, and the next side starts with
-        an all-gather: the bytes of one all-reduce, with the norms and residual adds on
-        1/T of the rows and 1/T of the activation memory)."""
+        axes, whole on the tensor axis, so each side ends with one all-reduce over it
+        (``sharding.parallelism`` says why not Megatron's reduce-scatter form)."""
         if self.options.mesh is None or self.parallelism is None:
             return self.options.shard(x)
         return self.parallelism.constrain(x, ("batch", "residual", "embed"),
@@ -232,7 +238,7 @@ class LlamaBlock(nn.Module):
             out_bias=c.attention_out_bias, dtype=dt, param_dtype=pdt, name="attn")
         h = x + attn(RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x), segment_ids, positions)
         h = self.residual(h)
-        out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, name="mlp")(
+        out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, o.mesh, self.parallelism, name="mlp")(
             RMSNorm(c.norm_eps, dt, pdt, name="mlp_norm")(h))
         return self.residual(out)
 
@@ -382,12 +388,7 @@ class Llama(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.with_logical_partitioning(
                              nn.initializers.normal(0.02), ("vocab", "embed")), name="embed")
-        # the lookup's rows first as the tokens are laid out, then onto the residual
-        # stream: XLA 0.11's SPMD partitioner aborts ("Could not slice dimension 1") when
-        # asked to go from a vocab x embed split table straight to rows over sequence x
-        # tensor on a tensor axis of 3 (tests/test_nd_model.py, SmolLM2's head counts)
-        x = self.constrain(embed(tokens), ("batch", "length", "embed"))
-        x = self.constrain(x, ("batch", "residual", "embed"))
+        x = self.constrain(embed(tokens), ("batch", "residual", "embed"))
         block = LlamaBlock
         if c.remat != "none":
             block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),

@@ -12,11 +12,18 @@ fsdp       the batch                                   split (ZeRO-3 / FSDP)
 sequence   the tokens (ring / tree / Ulysses in        split, as the fsdp axes (MaxText's
            attention; each device its own rows)        context axis does the same)
 tensor     heads, the MLP's hidden units, the          split by output (q, k, v, gate,
-           vocabulary (Megatron-LM); between blocks    up, embedding, head) or by input
-           the residual stream's tokens (Megatron's    (o, down): Shoeybi et al. 2019 §3
-           sequence parallelism, Korthikanti et al.
-           2022 §4.2.2)
+           vocabulary (Megatron-LM); the residual      up, embedding, head) or by input
+           stream stays whole on it (below)            (o, down): Shoeybi et al. 2019 §3
 =========  ==========================================  =================================
+
+One reduction per block side, an all-reduce over the tensor axis after the row-parallel
+o and down projections (Megatron-LM, Shoeybi et al. 2019 Fig. 3), not Megatron's
+sequence-parallel reduce-scatter onto the rows with an all-gather before the next side
+(Korthikanti et al. 2022 §4.2.2).  Both move the same bytes, 2 (T-1)/T of the block's
+activation; the reduce-scatter form would save memory and norm work on 1/T of the rows,
+but XLA's partitioner (JAX 0.11, measured on CPU) lowered the reshard onto sequence x
+tensor rows as an all-reduce, a slice and later an all-gather: 3 (T-1)/T, 1.5x the bytes,
+so the residual stream (logical ``residual``) is split over the sequence axes only.
 
 The model never builds a ``PartitionSpec``: its layers name the dimensions of every
 parameter and activation with the logical names below, and ``rules()`` maps them onto
@@ -31,8 +38,8 @@ projection on a tensor axis of 2 stays whole there, still split by fsdp on ``emb
 
 Logical names:
 
-- ``batch``, ``length`` (attention's rows), ``residual`` (the residual stream's rows,
-  also over the tensor axis between blocks), ``heads``, ``kv_heads``, ``head_dim``,
+- ``batch``, ``length`` (attention's rows), ``residual`` (the residual stream's rows:
+  over the sequence axes, see above), ``heads``, ``kv_heads``, ``head_dim``,
   ``embed``, ``mlp``, ``vocab``; ``None`` for a dimension that is never split.
 """
 
@@ -126,7 +133,7 @@ class Parallelism:
         return (
             ("batch", self.batch_axes),
             ("length", self.sequence_axes),
-            ("residual", self.sequence_axes + tensor),
+             ("residual", self.sequence_axes),
             ("heads", tensor),
             ("kv_heads", tensor),
             ("mlp", tensor),
