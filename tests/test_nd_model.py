@@ -8,6 +8,7 @@ on one factorization resumes on two others with the same next losses; the per-de
 work falls by the data and tensor factors.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -266,3 +267,73 @@ def test_smollm2_head_counts_on_tensor_3():
         "sequence", "tensor", None)
     got = loss_and_grads(model, jax.device_put(params, sh), batch)
     check_equal(*got, *want, "9/3 heads on tensor 3 x sequence 2")
+
+
+# ----------------------------------------------------------------------------- bytes
+def _bytes(sizes, layers, grad):
+    """Bytes per mesh axis of the compiled forward (hidden states) or training gradient
+    of a ``layers``-block model whose roles other than ``sizes`` have size 1."""
+    from jax_seqpar.runtime.comm import collective_bytes
+
+    cfg = LlamaConfig(vocab_size=128, d_model=64, num_layers=layers, num_heads=4,
+                      num_kv_heads=2, ffn_dim=128)
+    n = int(np.prod(list(sizes.values())))
+    mesh, par = make_mesh(sizes, jax.devices()[:n])
+    model = Llama(cfg, mesh=mesh, parallelism=par)
+    tokens = jnp.zeros((B, S), jnp.int32)
+    params = jax.device_put(model.init(jax.random.key(0), tokens),
+                            model.param_shardings(jax.random.key(0), tokens))
+    if grad:
+        f = jax.grad(lambda p, t: next_token_loss(model, p, t)[0])
+    else:
+        f = lambda p, t: model.apply(p, t, return_hidden=True)  # noqa: E731
+    rep = collective_bytes(jax.jit(f), params, tokens)
+    kinds = {}
+    for op in rep.ops:
+        from jax_seqpar.runtime.comm import op_axes
+        key = (op_axes(op, mesh), op.kind)
+        kinds[key] = kinds.get(key, 0) + op.bytes_sent
+    return cfg, rep.bytes_by_axis(mesh), kinds
+
+
+def test_bytes_per_axis_follow_the_formulas():
+    """Per mesh axis, what the compiled programs send per device, to the byte (float32,
+    ``B`` rows of ``S`` tokens, ``d`` = 64; one role of size 2 at a time; per layer is
+    the difference between 2 blocks and 1):
+
+    - data (D): the gradients' all-reduce, ``2 (D-1)/D * 4 (P + 1)`` for the whole step
+      (``P`` parameters, and the loss's token count);
+    - fsdp (F), forward: each block's matmul weights gathered once,
+      ``(F-1)/F * 4 * P_block`` per layer (norm scales stay replicated);
+    - tensor (T), forward: one all-reduce of the block's activation per side,
+      ``2 * 2 (T-1)/T * 4 B S d`` per layer (Megatron-LM; ``sharding.parallelism``);
+    - sequence (G): the ring's hops, ``costs.forward_bytes + costs.backward_bytes`` per
+      layer (``backward="auto"``), K and V of the local rows only.
+    """
+    from jax_seqpar.parallel.costs import RingShape, backward_bytes, choose_backward, forward_bytes
+
+    cfg, one, _ = _bytes(dict(data=2), 1, True)
+    _, two, _ = _bytes(dict(data=2), 2, True)
+    for L, got in ((1, one), (2, two)):
+        c = dataclasses.replace(cfg, num_layers=L)
+        P = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+            Llama(c).init, jax.random.key(0), jnp.zeros((B, S), jnp.int32))))
+        assert got == {"data": 2 * 1 / 2 * 4 * (P + 1)}, (L, got)
+
+    d, H, Hkv, Dh, ffn = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 128
+    p_block = d * (H + 2 * Hkv) * Dh + H * Dh * d + 3 * d * ffn
+    (_, f1, _), (_, f2, _) = _bytes(dict(fsdp=2), 1, False), _bytes(dict(fsdp=2), 2, False)
+    assert f2["fsdp"] - f1["fsdp"] == 1 / 2 * 4 * p_block
+
+    (_, t1, _), (_, t2, _) = _bytes(dict(tensor=2), 1, False), _bytes(dict(tensor=2), 2, False)
+    assert t2["tensor"] - t1["tensor"] == 2 * 2 * (1 / 2) * 4 * B * S * d
+
+    (_, _, s1), (_, _, s2) = (_bytes(dict(sequence=2), L, True) for L in (1, 2))
+    G = 2
+    shape = RingShape(num_devices=G, batch=B, tokens=S // G, q_heads=H, kv_heads=Hkv,
+                      head_dim=Dh, itemsize=4)
+    scheme = choose_backward(shape).scheme
+    ring = forward_bytes(shape) + backward_bytes(scheme, shape)
+    key = ("sequence", "collective-permute")
+    assert s2[key] - s1[key] == ring
+    assert s1[key] == ring  # one block: the ring is all the point-to-point traffic
