@@ -131,9 +131,6 @@ def test_kv_heads_fewer_than_the_tensor_axis():
 
 def test_errors():
     mesh, par = make_mesh(dict(sequence=2, tensor=4))
-    with pytest.raises(ValueError, match=r"3 query heads"):
-        Llama(LlamaConfig(vocab_size=32, d_model=48, num_heads=3, num_kv_heads=3),
-              mesh=mesh, parallelism=par)
     with pytest.raises(ValueError, match="plays two roles"):
         Parallelism(data="x", sequence="x")
     with pytest.raises(ValueError, match="pass mesh"):
@@ -250,23 +247,57 @@ def test_pretrained_checkpoint_streams_onto_the_rules():
     close(logits[: len(ref["input_ids"])], ref["logits"], TOL, "llama_plain on 2x2x2")
 
 
+SMOL = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv_heads=3,
+                   ffn_dim=96)  # SmolLM2-135M's head counts (9 query, 3 kv) at a toy width
+
+
+@functools.lru_cache(maxsize=None)
+def smol_reference():
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 48)), jnp.int32)
+    params = Llama(SMOL).init(jax.random.key(1), tokens)
+    batch = {"tokens": tokens, "segment_ids": jnp.asarray(np.repeat([[1, 2]] * 2, 24, 1)),
+             "positions": jnp.asarray(np.tile(np.arange(24), (2, 2)))}
+    return tokens, params, batch, loss_and_grads(Llama(SMOL), params, batch)
+
+
 def test_smollm2_head_counts_on_tensor_3():
-    """SmolLM2-135M's heads (9 query, 3 kv) as tensor 3 x sequence 2 on 6 devices: every
-    head count splits by 3; loss and gradients equal one device."""
-    cfg = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv_heads=3,
-                      ffn_dim=96)
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 24)), jnp.int32)
-    params = Llama(cfg).init(jax.random.key(1), tokens)
-    batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
-             "positions": jnp.broadcast_to(jnp.arange(24), tokens.shape)}
-    want = loss_and_grads(Llama(cfg), params, batch)
+    """SmolLM2-135M's heads as tensor 3 x sequence 2 on 6 devices: every head count
+    splits by 3; loss and gradients equal one device."""
+    tokens, params, batch, want = smol_reference()
     mesh, par = make_mesh(dict(sequence=2, tensor=3), jax.devices()[:6])
-    model = Llama(cfg, mesh=mesh, parallelism=par)
+    model = Llama(SMOL, mesh=mesh, parallelism=par)
+    assert model.heads_split
     sh = model.param_shardings(jax.random.key(1), tokens)
     assert sh["params"]["layer_0"]["attn"]["k_proj"]["kernel"].spec == P(
         "sequence", "tensor", None)
     got = loss_and_grads(model, jax.device_put(params, sh), batch)
     check_equal(*got, *want, "9/3 heads on tensor 3 x sequence 2")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_smollm2_head_counts_on_tensor_2(layout):
+    """9 query heads do not divide by a tensor axis of 2: attention runs with the tensor
+    devices splitting its rows (sequence x tensor, ``Llama.heads_split``), its weights
+    whole on the tensor axis; the MLP and the vocabulary still split over it.  Loss and
+    gradients equal one device; no replicated work (FLOPs per device)."""
+    tokens, params, batch, want = smol_reference()
+    mesh, par = make_mesh(dict(sequence=2, tensor=2), jax.devices()[:4])
+    model = Llama(SMOL, mesh=mesh, parallelism=par, layout=layout)
+    assert not model.heads_split and model.options().num_shards == 4
+    sh = model.param_shardings(jax.random.key(1), tokens)["params"]
+    assert sh["layer_0"]["attn"]["q_proj"]["kernel"].spec == P("sequence", None, None)
+    assert sh["layer_0"]["mlp"]["up_proj"]["kernel"].spec == P("sequence", "tensor")
+    got = loss_and_grads(model, jax.device_put(params, {"params": sh}), batch)
+    check_equal(*got, *want, f"9/3 heads on tensor 2 x sequence 2, {layout}")
+    if layout == "zigzag":  # per-device FLOPs: half of sequence 2 alone
+        def flops(sizes, n):
+            m, p = make_mesh(sizes, jax.devices()[:n])
+            mod = Llama(SMOL, mesh=m, parallelism=p, layout=layout)
+            cost = jax.jit(lambda q: next_token_loss(mod, q, tokens)[0]).lower(
+                params).compile().cost_analysis()
+            return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+        assert 2 * flops(dict(sequence=2, tensor=2), 4) == pytest.approx(
+            flops(dict(sequence=2), 2), rel=0.05)
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -26,7 +26,7 @@ from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
 from jax_seqpar.layers.remat import seq_selective_attention
-from jax_seqpar.sharding.specs import check_roles, normalize_role, role_size
+from jax_seqpar.sharding.specs import axis_tuple, check_roles, normalize_role, role_size
 
 F32 = jnp.float32
 
@@ -38,9 +38,10 @@ def check_mesh(mesh: Optional[Mesh], axis_name: str, batch_axis=None,
         return
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
-                         f"(mesh.axis_names={mesh.axis_names})")
+    for name in axis_tuple(axis_name):
+        if name not in mesh.axis_names:
+            raise ValueError(f"axis_name={axis_name!r}: {name!r} is not an axis of the mesh "
+                             f"(mesh.axis_names={mesh.axis_names})")
     check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     if _compat.has_explicit_axes(mesh):
         raise ValueError(
@@ -65,7 +66,7 @@ class SeqParallelOptions:
     """
 
     mesh: Optional[Mesh] = None
-    axis_name: str = "sp"
+    axis_name: Any = "sp"  # a mesh axis or a tuple of them (one ring over their product)
     batch_axis: Any = None
     head_axis: Any = None
     layout: str = "contiguous"
@@ -78,7 +79,7 @@ class SeqParallelOptions:
     seq_selective: bool = False
 
     def __post_init__(self):
-        for name in ("batch_axis", "head_axis"):
+        for name in ("axis_name", "batch_axis", "head_axis"):
             object.__setattr__(self, name, normalize_role(getattr(self, name)))
         check_mesh(self.mesh, self.axis_name, self.batch_axis, self.head_axis)
         check_layout(self.layout)
@@ -96,7 +97,7 @@ class SeqParallelOptions:
 
     @property
     def num_shards(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape[self.axis_name]
+        return 1 if self.mesh is None else role_size(self.mesh, self.axis_name)
 
     def positions(self, seq_len: int) -> np.ndarray:
         """int32 ``[S]``: the global position of each row of the layer's input."""

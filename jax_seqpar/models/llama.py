@@ -236,7 +236,13 @@ class LlamaBlock(nn.Module):
             window=c.window, seq_selective=o.seq_selective, rope_theta=c.rope_theta,
             rope_scaling=c.rope_scaling, use_bias=c.attention_bias,
             out_bias=c.attention_out_bias, dtype=dt, param_dtype=pdt, name="attn")
-        h = x + attn(RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x), segment_ids, positions)
+        a = RMSNorm(c.norm_eps, dt, pdt, name="attn_norm")(x)
+        if self.parallelism is not None and o.mesh is not None and o.head_axis is None \
+                and self.parallelism.tensor is not None:
+            # heads not split: attention's rows over sequence x tensor (Llama.heads_split)
+            a = self.parallelism.tensor_as_sequence().constrain(
+                a, ("batch", "length", "embed"), o.mesh)
+        h = x + attn(a, segment_ids, positions)
         h = self.residual(h)
         out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, o.mesh, self.parallelism, name="mlp")(
             RMSNorm(c.norm_eps, dt, pdt, name="mlp_norm")(h))
@@ -289,14 +295,26 @@ class Llama(nn.Module):
                                  f"{par.sequence!r} disagree; with a parallelism leave "
                                  f"axis_name out")
             object.__setattr__(self, "axis_name", par.sequence)
-            c, T = self.config, par.sizes(self.mesh)["tensor"]
-            if c.num_heads % T:
-                raise ValueError(
-                    f"parallelism.tensor={par.tensor!r} splits the heads over {T} devices, "
-                    f"but the model has {c.num_heads} query heads ({c.num_kv_heads} kv "
-                    f"heads); use a tensor axis whose size divides {c.num_heads}, or give "
-                    f"those devices to the sequence or the batch")
         super().__post_init__()
+
+    @property
+    def heads_split(self) -> bool:
+        """Whether the tensor axis splits the attention heads: its size divides the query
+        heads.  When it does not (SmolLM2's 9 heads on a tensor axis of 2), attention
+        runs with the tensor axes joined to the sequence axes instead
+        (``Parallelism.tensor_as_sequence``): the token layout is dealt over sequence x
+        tensor devices, each attends its own rows with all heads, and the attention
+        weights (whose heads the axis cannot split) are whole on the tensor axis; the
+        MLP, the embedding and the head still split over it."""
+        par = self.parallelism
+        if par is None or self.mesh is None:
+            return True
+        return self.config.num_heads % par.sizes(self.mesh)["tensor"] == 0
+
+    @property
+    def attention_par(self) -> Parallelism:
+        """The roles attention runs with (``heads_split``)."""
+        return self.par if self.heads_split else self.par.tensor_as_sequence()
 
     @property
     def par(self) -> Parallelism:
@@ -342,9 +360,10 @@ class Llama(nn.Module):
                              f"and strategy='ring' (got strategy={self.strategy!r}, "
                              f"mesh={'None' if self.mesh is None else 'given'}); or use "
                              f"remat='full'")
-        par = self.parallelism
+        par = None if self.parallelism is None else self.attention_par
         batch = None if par is None or not par.batch_axes else par.batch_axes
-        return SeqParallelOptions(mesh=self.mesh, axis_name=self.axis_name,
+        return SeqParallelOptions(mesh=self.mesh,
+                                  axis_name=self.axis_name if par is None else par.sequence,
                                   batch_axis=batch, head_axis=None if par is None else par.tensor,
                                   layout=self.layout, permuted=True, strategy=self.strategy,
                                   backward=self.backward, kernel=self.kernel, causal=True,

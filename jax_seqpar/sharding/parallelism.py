@@ -114,6 +114,14 @@ class Parallelism:
     def tensor_axes(self) -> Tuple[str, ...]:
         return axis_tuple(self.tensor)
 
+    def tensor_as_sequence(self) -> "Parallelism":
+        """The same mesh with the tensor axes joined to the sequence axes (sequence
+        major): what attention uses when its heads do not divide by the tensor axis
+        (``models.Llama``): the tensor devices then split the attention's rows instead of
+        its heads, so no device repeats another's work."""
+        seq = self.sequence_axes + self.tensor_axes
+        return dataclasses.replace(self, sequence=seq, tensor=None)
+
     def check(self, mesh: Mesh) -> None:
         """Every role names axes of ``mesh``; the models need a sequence role."""
         check_roles(mesh, **{role: getattr(self, role) for role in ROLES})
