@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -76,6 +77,10 @@ def parse_args(argv=None):
                    help="linear, dynamic, yarn or llama3 scaling, e.g. yarn:4")
     p.add_argument("--devices", type=int, default=None,
                    help="devices on the sequence axis (default: all; 8 simulated on CPU)")
+    p.add_argument("--mesh", default=None, metavar="ROLES|auto",
+                   help="an N-D mesh over the devices: data=..,fsdp=..,sequence=..,tensor=.. "
+                        "(sizes multiplying to --devices), or auto (sharding.choose_mesh "
+                        "picks them, and says why); default: the sequence over every device")
     p.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag", "striped"])
     p.add_argument("--backward", default="auto", choices=["auto", "kv", "q"])
     p.add_argument("--kernel", default="auto", help="local attention kernel (auto, xla, ...)")
@@ -161,6 +166,8 @@ from jax_seqpar.data import load_tokenizer, make_iterator, train_bpe, write_corp
 from jax_seqpar.data.tokenize import read_text, text_files  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.models.hf import load_pretrained, save_pretrained  # noqa: E402
+from jax_seqpar.parallel.comm_time import Link  # noqa: E402
+from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from jax_seqpar.training import (CheckpointConfig, TrainCheckpointer, TrainState,  # noqa
                                  abstract_train_state, init_train_state, make_train_step,
                                  shardings_of)
@@ -257,6 +264,7 @@ def initial_state(a, model, optimizer, key, abstract):
         return init_train_state(model, optimizer, key, (a.batch, a.stages[0]))
     c = model.config
     _, params = load_pretrained(a.checkpoint, mesh=model.mesh, dtype=c.dtype,
+                                parallelism=model.parallelism,
                                 param_dtype=c.param_dtype, remat=c.remat,
                                 rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
                                 max_position_embeddings=c.max_position_embeddings)
@@ -265,6 +273,35 @@ def initial_state(a, model, optimizer, key, abstract):
         return TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32),
                           rng=jax.random.fold_in(key, RNG_STREAM))
     return jax.jit(fresh, out_shardings=shardings_of(abstract), donate_argnums=0)(params)
+
+
+def build_mesh(a, cfg, G):
+    """``(mesh, parallelism)``: the sequence over all ``G`` devices (parallelism None), or
+    the roles of ``--mesh`` (``auto``: ``sharding.choose_mesh`` for one node of ``G``
+    devices with H200-like numbers; on CPU only the shape of the choice means anything)."""
+    devices = jax.devices()[:G]
+    if a.mesh is None:
+        return jax.make_mesh((G,), ("sp",), devices=devices, axis_types=(AxisType.Auto,)), None
+    if a.mesh == "auto":
+        choice = choose_mesh(cfg, seq_len=max(a.stages), global_batch=a.batch,
+                             devices_per_node=G, intra_link=Link(450e9, 5e-6),
+                             device_memory=141e9, device_flops=989e12,
+                             remat="none" if a.remat == "none" else "full",
+                             layout=a.layout)
+        sizes = dict(choice.sizes)
+        say(f"--mesh auto: {sizes} ({choice.reason})")
+    else:
+        try:
+            sizes = parse_mesh_arg(a.mesh)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    if math.prod(sizes.values()) != G:
+        raise SystemExit(f"--mesh {a.mesh}: the sizes multiply to {math.prod(sizes.values())}, "
+                         f"not the {G} devices (--devices)")
+    if a.batch % (sizes["data"] * sizes["fsdp"]):
+        raise SystemExit(f"--batch {a.batch} must divide by data x fsdp = "
+                         f"{sizes['data'] * sizes['fsdp']}")
+    return make_mesh(sizes, devices)
 
 
 # --------------------------------------------------------------------------- training
@@ -283,20 +320,20 @@ def main():
     G = a.devices or jax.device_count()
     if G > jax.device_count():
         raise SystemExit(f"--devices={G} but JAX sees {jax.device_count()} devices")
-    for S in a.stages:
-        if S % (2 * G) and a.layout == "zigzag":
-            raise SystemExit(f"--stages: {S} must be divisible by 2*{G} devices for "
-                             f"--layout zigzag")
-        if S % G:
-            raise SystemExit(f"--stages: {S} must be divisible by {G} devices")
-    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
-                         axis_types=(AxisType.Auto,))
     data = data_folder(a)
     tokenizer, tok_how = choose_tokenizer(a, data)
     cfg, original = base_config(a, tokenizer.vocab_size)
+    mesh, par = build_mesh(a, cfg, G)
+    seq = G if par is None else par.sizes(mesh)["sequence"]
+    for S in a.stages:
+        if S % (2 * seq) and a.layout == "zigzag":
+            raise SystemExit(f"--stages: {S} must be divisible by 2*{seq} devices for "
+                             f"--layout zigzag")
+        if S % seq:
+            raise SystemExit(f"--stages: {S} must be divisible by {seq} devices")
     configs = [stage_config(a, cfg, original, i) for i in range(len(a.stages))]
-    models = [Llama(c, mesh=mesh, layout=a.layout, backward=a.backward, kernel=a.kernel)
-              for c in configs]
+    models = [Llama(c, mesh=mesh, layout=a.layout, backward=a.backward, kernel=a.kernel,
+                    parallelism=par) for c in configs]
     total = sum(a.steps)
     ends = np.cumsum(a.steps).tolist()           # last step of each stage
     lr = a.lr if a.lr is not None else (2e-5 if a.checkpoint else 3e-3)

@@ -207,6 +207,24 @@ class SwiGLU(nn.Module):
         return dense(x.shape[-1], ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)
 
 
+class Embed(nn.Embed):
+    """``nn.Embed`` whose table is laid out for the lookup first: gathered over the
+    parameter (fsdp) axes, still split by vocabulary over the tensor axis.  Looking rows
+    up in a table whose ``embed`` dimension is split over the sequence axis, into rows
+    that the same axis splits, made XLA replicate the result (its partitioner: "involuntary
+    full rematerialization"); gathering the table first is FSDP's own rule (weights are
+    gathered where they are used)."""
+
+    mesh: Optional[Mesh] = None
+    parallelism: Optional[Parallelism] = None
+
+    def __call__(self, inputs):
+        if self.mesh is None or self.parallelism is None:
+            return super().__call__(inputs)
+        table = self.parallelism.constrain(self.embedding, ("vocab", None), self.mesh)
+        return jnp.take(table.astype(self.dtype or table.dtype), inputs, axis=0)
+
+
 class LlamaBlock(nn.Module):
     """One pre-norm decoder block on rows in the options' order."""
 
@@ -404,9 +422,10 @@ class Llama(nn.Module):
         segment_ids = (None if segment_ids is None
                        else self.constrain(self.to_layout(segment_ids), rows))
         dt, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        embed = nn.Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
-                         embedding_init=nn.with_logical_partitioning(
-                             nn.initializers.normal(0.02), ("vocab", "embed")), name="embed")
+        embed = Embed(c.vocab_size, c.d_model, dtype=dt, param_dtype=pdt,
+                      embedding_init=nn.with_logical_partitioning(
+                          nn.initializers.normal(0.02), ("vocab", "embed")),
+                      mesh=self.mesh, parallelism=self.parallelism, name="embed")
         x = self.constrain(embed(tokens), ("batch", "residual", "embed"))
         block = LlamaBlock
         if c.remat != "none":
