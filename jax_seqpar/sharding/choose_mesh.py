@@ -224,8 +224,9 @@ def _reason(best: MeshCandidate, ranked, too_big, device_memory, links) -> str:
     if len(ranked) > 1:
         nxt = ranked[1]
         tie = "" if nxt.step_seconds > best.step_seconds else (
-            f", a tie: {_gb(nxt.inter_bytes)} across nodes vs {_gb(best.inter_bytes)}"
-            f", {_gb(sum(nxt.bytes.values()))} in all vs {_gb(sum(best.bytes.values()))}")
+            f", a tie broken by bytes: it sends {_gb(nxt.inter_bytes)} across nodes and "
+            f"{_gb(sum(nxt.bytes.values()))} in all, the pick {_gb(best.inter_bytes)} and "
+            f"{_gb(sum(best.bytes.values()))}")
         parts.append(f"next best {nxt.label} {nxt.step_seconds:.3g} s{tie}")
     faster = [c for c in too_big if c.step_seconds < best.step_seconds]
     if faster:
