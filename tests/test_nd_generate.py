@@ -10,7 +10,12 @@
 * the compiled decode step's bytes per mesh axis equal the formula of
   ``models.generate``'s docstring to the byte: the tree reduction on the sequence axis
   only, the row-split projections, the embedding and the logits on the tensor axis,
-  nothing on the batch axes (and the prefill sends nothing on them either).
+  nothing on the batch axes (and the prefill sends nothing on them either);
+* heads the tensor axis cannot split (SmolLM2's 9 / 3 on tensor 2 x sequence 4): the
+  one-device tokens, attention weights whole and the MLP / vocabulary split, the cache
+  ``P(None, ("sequence", "tensor"), None, None)`` (its length over both axes, heads
+  whole), and the decode step's tree reduction over both axes as one collective, to the
+  byte.
 """
 
 import functools
@@ -158,3 +163,77 @@ def test_errors():
         generator_for(model, (3, WIDTH), N)
     with pytest.raises(ValueError, match="axis_name='sp2' and the model's parallelism"):
         generator_for(model, (B, WIDTH), N, axis_name="sp2")
+
+
+def rows_decode_step_bytes(cfg, b, G, T, itemsize=4):
+    """Bytes per device of one decode step with the heads whole (``models.generate``'s
+    docstring, "Heads the tensor axes cannot split"), ``N = G * T``:
+
+    * ``("sequence", "tensor")``, per layer: ``2 (N - 1) / N * 4 * b * Hq * (D + 2)``
+      (the tree reduction's ``pmax`` of ``[b, Hq, 1]`` and ``psum`` of ``[b, 1, Hq,
+      D + 1]``, float32, all heads, over both axes as one group of ``N``);
+    * ``"tensor"``: per layer ``2 (T - 1) / T * b * d * s`` (the down ``psum``; o is
+      whole), per token ``2 (T - 1) / T * b * d * s`` (the embedding's ``psum``) and
+      ``(T - 1) / T * b * V * 4`` (the float32 logits' ``all_gather``).
+    """
+    L, Hq, D, d, V = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size
+    n = G * T
+    both = L * 2 * (n - 1) / n * 4 * b * Hq * (D + 2)
+    tensor = ((L + 1) * 2 * (T - 1) / T * b * d * itemsize        # down psums, embedding
+              + (T - 1) / T * b * V * 4)                          # logits all-gather
+    return {("sequence", "tensor"): int(round(both)), "tensor": int(round(tensor))}
+
+
+def test_heads_the_tensor_axis_cannot_split():
+    """SmolLM2's 9 query / 3 kv heads on tensor 2 x sequence 4: the model runs attention
+    over sequence x tensor rows (``Llama.heads_split``); generation keeps the heads whole
+    on the tensor axis and still gives the one-device tokens.  The cache's length is split
+    over sequence x tensor (8 stripes, 3 whole kv heads each), the attention weights are
+    whole while the MLP and the vocabulary stay split, and the decode step's bytes match
+    ``rows_decode_step_bytes`` to the byte."""
+    cfg = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv_heads=3,
+                      ffn_dim=96)
+    params, toks, one = setup(cfg)
+    mesh, par = make_mesh(dict(tensor=2, sequence=4))
+    model = Llama(cfg, mesh=mesh, parallelism=par)
+    assert not model.heads_split
+    out = generate(model, params, toks, max_new_tokens=N, prompt_lengths=LENGTHS)
+    np.testing.assert_array_equal(np.asarray(out), one)
+
+    # the generator generate used (cached): the same compiled programs below
+    gen = generator_for(model, (B, WIDTH), N, max_prompt_len=int(LENGTHS.max()))
+    G, T = mesh.shape["sequence"], mesh.shape["tensor"]
+    assert gen.plan.num_shards == G * T and gen.cache_heads == cfg.num_kv_heads
+    placed = gen.replicate(params)
+    layer = placed["params"]["layer_0"]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):     # whole on every device
+        assert full_spec(layer["attn"][name]["kernel"].sharding.spec, 3) == (None,) * 3
+    assert full_spec(layer["mlp"]["gate_proj"]["kernel"].sharding.spec, 2) == (None, "tensor")
+    assert full_spec(layer["mlp"]["down_proj"]["kernel"].sharding.spec, 2) == ("tensor", None)
+    assert full_spec(placed["params"]["embed"]["embedding"].sharding.spec, 2) == ("tensor",
+                                                                                  None)
+
+    # the cache: its length over sequence x tensor (sequence major), kv heads whole
+    logits, cache = gen.prefill(placed, toks, jnp.asarray(LENGTHS))
+    _, cache = gen.decode()(placed, logits, jnp.asarray(LENGTHS), cache, jax.random.key(0))
+    local = (B, gen.plan.cache_len // (G * T), cfg.num_kv_heads, cfg.head_dim)
+    for arr in jax.tree.leaves(cache):
+        assert arr.shape == (B, gen.plan.cache_len, cfg.num_kv_heads, cfg.head_dim)
+        assert full_spec(arr.sharding.spec) == (None, ("sequence", "tensor"), None, None)
+        assert {s.data.shape for s in arr.addressable_shards} == {local}
+        # 8 distinct stripes: no device holds another's positions
+        assert len({s.index[1].start for s in arr.addressable_shards}) == G * T
+
+    # the decode step: the tree reduction over both axes at once, the MLP's down psum,
+    # the embedding's psum and the logits' all-gather over the tensor axis
+    zeros = tuple(tuple(jnp.zeros(local[:1] + (gen.plan.cache_len,) + local[2:])
+                        for _ in range(cfg.num_layers)) for _ in range(2))
+    report = collective_bytes(jax.jit(gen.step), placed, jnp.zeros((B,), jnp.int32),
+                              jnp.asarray(LENGTHS), zeros)
+    assert report.bytes_by_axis(mesh) == rows_decode_step_bytes(cfg, B, G, T), \
+        report.summary()
+    L = cfg.num_layers
+    kinds = sorted((str(op_axes(op, mesh)), op.kind) for op in report.ops)
+    assert kinds == sorted([(str(("sequence", "tensor")), "all-reduce")] * 2 * L
+                           + [("tensor", "all-reduce")] * (L + 1)
+                           + [("tensor", "all-gather")]), kinds

@@ -100,6 +100,39 @@ layers, ``G`` / ``T`` devices along the sequence / tensor axes:
   (every row done?) is one all-reduce of one byte over the batch axes per token;
   without ``eos_id`` there is none.
 
+**Heads the tensor axes cannot split** (``Llama.heads_split`` False: ``Hq % T != 0``,
+e.g. SmolLM2's 9 query / 3 kv heads on a tensor axis of 2).  As the training model does
+(``Llama.attention_par``, ``Parallelism.tensor_as_sequence``), attention runs with the
+tensor axes joined to the sequence axes, sequence major, ``A = (sequence..., tensor...)``
+of ``N = G * T`` devices, every head whole; the MLP, the embedding and the LM head keep
+the tensor split (column / row as above).  No device repeats another's attention work
+and none holds the whole cache:
+
+* **the cache** of each layer is ``[B, cache_len, Hkv, D]`` sharded ``P(batch axes, A,
+  None, None)``: striped over the ``N`` devices of ``A`` (token ``t`` on device ``t mod
+  N`` of ``A``, slot ``t // N``), ``2 * (B / Db) * (cache_len / N) * Hkv * D`` elements
+  per device and layer (no repeated heads: ``Hc = Hkv``);
+* **prefill**: the prompt is striped over ``A``, so each device projects its own rows
+  with the whole attention weights (which the tensor axes leave whole, by the model's
+  divisibility rule) and writes exactly its cache slots; ring attention (first pass) and
+  the gathered-query passes run over ``A``.  The tensor devices then hold different
+  rows, so the split MLP gathers the normed rows over the tensor axes, runs its
+  ``ffn / T`` units on all ``T`` devices' rows and one ``psum_scatter`` hands each its
+  own rows back (Megatron's sequence-parallel form, Korthikanti et al. 2022 §4.2.2: the
+  bytes of one all-reduce); the vocab-split embedding gathers the ids (ints) and
+  ``psum_scatter``-s the looked-up rows the same way;
+* **decode**: the step's rows are replicated over ``A`` as over the sequence above; each
+  device projects the new token's q / k / v whole (a few rows), writes k / v only where
+  it owns the position, and the tree reduction (one ``pmax``, one ``psum``) runs over
+  ``A`` -- one collective whose groups span the sequence and the tensor axes.  Bytes
+  per device and step (``bytes_by_axis`` keys ``A`` as the tuple of its names):
+
+  - ``A``, per layer: ``2 (N - 1) / N * 4 * b * Hq * (D + 2)`` (``lse`` ``[b, Hq, 1]``
+    and ``[b, 1, Hq, D + 1]``, float32, all heads);
+  - tensor, per layer: ``2 (T - 1) / T * b * d * s`` (the down ``psum`` only: o is
+    whole); per token on top the embedding's ``psum`` and the logits' ``all_gather`` as
+    above (each when the tensor axes split what it sums / gathers).
+
 ``tests/test_nd_generate.py`` reads these bytes off the compiled step, to the byte.
 """
 
@@ -234,17 +267,34 @@ class TensorSplit:
     head is repeated (``sharding.specs.kv_head_repeats``).  Which weights are split is
     read from their local shapes: a dimension the tensor axes split is ``1 / T`` of the
     config's, one they leave whole is the config's.
+
+    ``heads=False`` (``Llama.heads_split`` is False: the tensor axes do not divide the
+    query heads): attention is whole on every device (all heads, its weights whole, no
+    ``psum`` after o) and its rows are split over sequence x tensor instead; the MLP,
+    the embedding and the LM head keep the tensor split.  The prefill's rows are then
+    each device's own (``rows_split``): ``embed`` and ``block`` with ``own_rows=True``
+    gather the rows of the tensor devices before the split MLP / embedding and hand
+    each its own back with a ``psum_scatter`` (Megatron's sequence-parallel form,
+    Korthikanti et al. 2022 §4.2.2); decode rows are the same on every device and take
+    the ``psum``.
     """
 
     config: LlamaConfig
     axis: AxisRole = None
     size: int = 1
     repeats: int = 1
+    heads: bool = True
 
     @property
     def cache_heads(self) -> int:
         """kv heads of the global cache: ``Hkv * repeats``."""
         return self.config.num_kv_heads * self.repeats
+
+    @property
+    def rows_split(self) -> bool:
+        """Whether the tensor devices hold different rows in the prefill (heads whole:
+        the attention's rows split over sequence x tensor)."""
+        return self.axis is not None and not self.heads
 
     def local_parts(self, p) -> LlamaParts:
         """``LlamaParts`` of this device's heads, MLP units and vocabulary rows."""
@@ -262,20 +312,41 @@ class TensorSplit:
             raise ValueError(f"parameters split neither whole nor 1/{T} over the tensor "
                              f"axes {self.axis!r}: vocabulary {vocab} of {c.vocab_size}, "
                              f"MLP {mlp} of {c.ffn_dim}")
+        if not self.heads:        # attention whole on every device, its o bias included
+            a = p["layer_0"]["attn"]
+            heads = (a["q_proj"]["kernel"].shape[1], a["k_proj"]["kernel"].shape[1])
+            if heads != (c.num_heads, c.num_kv_heads):
+                raise ValueError(f"with heads whole on the tensor axes {self.axis!r} the "
+                                 f"q / k projections must be whole: {heads} heads here, "
+                                 f"not {(c.num_heads, c.num_kv_heads)}")
+            return LlamaParts(dataclasses.replace(c, ffn_dim=mlp, vocab_size=vocab))
         return LlamaParts(dataclasses.replace(
             c, num_heads=c.num_heads // T, num_kv_heads=self.cache_heads // T,
             head_dim=c.head_dim, ffn_dim=mlp, vocab_size=vocab, attention_out_bias=False))
 
-    def embed(self, parts: LlamaParts, p, tokens):
+    def embed(self, parts: LlamaParts, p, tokens, own_rows: bool = False):
         """Token embeddings ``[..., d]``; a vocab-split table looks up the ids in its own
-        range (zeros elsewhere) and one ``psum`` over the tensor axes assembles them."""
+        range (zeros elsewhere) and one ``psum`` over the tensor axes assembles them.
+        ``own_rows`` (``rows_split``: ``tokens`` differ across the tensor devices): the
+        ids of every tensor device are gathered first (ints) and one ``psum_scatter``
+        returns each its own rows."""
         V = parts.config.vocab_size
         if self.axis is None or V == self.config.vocab_size:
             return parts.embed(p, tokens)
+        if own_rows:
+            every = lax.all_gather(tokens, self.axis)                   # [T, ...]
+            return lax.psum_scatter(self._lookup(parts, p, every), self.axis,
+                                    scatter_dimension=0, tiled=False)
+        return lax.psum(self._lookup(parts, p, tokens), self.axis)
+
+    def _lookup(self, parts: LlamaParts, p, tokens):
+        """This device's vocabulary rows of the embeddings of ``tokens`` (zeros for ids
+        outside its range)."""
+        V = parts.config.vocab_size
         ids = tokens - lax.axis_index(self.axis) * V
         inside = (ids >= 0) & (ids < V)
         x = parts.embed(p, jnp.where(inside, ids, 0))
-        return lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), self.axis)
+        return jnp.where(inside[..., None], x, jnp.zeros_like(x))
 
     def _kv_weights(self, parts: LlamaParts, w):
         """This device's kv heads of a k / v projection: its slice already when the
@@ -293,13 +364,20 @@ class TensorSplit:
             out["bias"] = jnp.take(w["bias"], idx, axis=0)
         return out
 
-    def block(self, parts: LlamaParts, lp, x, positions, attend):
+    def block(self, parts: LlamaParts, lp, x, positions, attend, own_rows: bool = False):
         """One decoder block on this device's heads and MLP units; ``attend(q, k, v)``
         gets the local heads.  The row-split o / down projections are summed over the
-        tensor axes (one ``psum`` each) and their biases added once, after the sum."""
+        tensor axes (one ``psum`` each) and their biases added once, after the sum.
+        With ``heads=False`` attention is the whole model's (every head, o whole: no
+        sum) and ``own_rows`` says whether ``x``'s rows are this device's own (see
+        ``mlp``)."""
         if self.axis is None:
             return parts.block(lp, x, positions, attend)
         a = lp["attn"]
+        if not self.heads:
+            q, k, v = parts.qkv(a, parts.norm(lp["attn_norm"], x), positions)
+            h = x + parts.out(a, attend(q, k, v))
+            return h + self.mlp(parts, lp, h, own_rows)
         attn = {"q_proj": a["q_proj"], "k_proj": self._kv_weights(parts, a["k_proj"]),
                 "v_proj": self._kv_weights(parts, a["v_proj"]),
                 "o_proj": {"kernel": a["o_proj"]["kernel"]}}
@@ -308,18 +386,32 @@ class TensorSplit:
         if "bias" in a["o_proj"]:
             o = o + a["o_proj"]["bias"].astype(o.dtype)
         h = x + o
+        return h + self.mlp(parts, lp, h)
+
+    def mlp(self, parts: LlamaParts, lp, h, own_rows: bool = False):
+        """The block's MLP side (its norm, then the MLP) on this device's units: when the
+        tensor axes split them, the row-split down projection is summed over the tensor
+        axes and its bias added once, after the sum.  ``own_rows`` (``rows_split``):
+        ``h``'s rows differ across the tensor devices, so the normed rows are gathered
+        over the tensor axes (``[T, ...]``), the split MLP runs on all of them and one
+        ``psum_scatter`` returns each device its own rows, summed: the bytes of one
+        all-reduce of the gathered rows, no device repeating another's work."""
         m = lp["mlp"]
-        split = parts.config.ffn_dim != self.config.ffn_dim
+        x = parts.norm(lp["mlp_norm"], h)
+        if parts.config.ffn_dim == self.config.ffn_dim:      # whole: no collective
+            return parts.mlp(m, x)
         down = m["down_proj"]
-        if split and "bias" in down:          # the bias once, after the sum
+        if "bias" in down:                    # the bias once, after the sum
             m = dict(m, down_proj={"kernel": down["kernel"],
                                    "bias": jnp.zeros_like(down["bias"])})
-        y = parts.mlp(m, parts.norm(lp["mlp_norm"], h))
-        if split:
-            y = lax.psum(y, self.axis)
-            if "bias" in down:
-                y = y + down["bias"].astype(y.dtype)
-        return h + y
+        if own_rows:
+            y = parts.mlp(m, lax.all_gather(x, self.axis))             # [T, ...]
+            y = lax.psum_scatter(y, self.axis, scatter_dimension=0, tiled=False)
+        else:
+            y = lax.psum(parts.mlp(m, x), self.axis)
+        if "bias" in down:
+            y = y + down["bias"].astype(y.dtype)
+        return y
 
     def logits(self, parts: LlamaParts, p, x):
         """Float32 logits ``[..., V]``: the vocab-split head's ``V / T`` columns are
@@ -335,7 +427,9 @@ def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, 
     """Per device: ``tokens`` ``[b, P_pad / G]`` (this device's striped share of its
     rows' prompts), ``last_pos`` ``[b]`` (each row's last prompt position).  Returns the
     logits ``[b, V]`` after each row's last prompt token and this device's cache shards
-    (``[b, cache_len / G, Hc / T, D]`` each)."""
+    (``[b, cache_len / G, Hc / T, D]`` each).  ``axis``: the attention's axes, ``G``
+    devices (with ``tp.heads`` False the sequence and tensor axes together; the cache
+    shards are then ``[b, cache_len / G, Hkv, D]``)."""
     p = _params(params)
     parts = tp.local_parts(p)
     c = parts.config                     # this device's heads (the whole model's without T)
@@ -360,7 +454,7 @@ def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, 
         start = i * cl
         toks = lax.dynamic_slice_in_dim(tokens, start, cl, axis=1)
         pos = ((start + jnp.arange(cl)) * G + idx).astype(jnp.int32)   # [cl]
-        x = tp.embed(parts, p, toks)
+        x = tp.embed(parts, p, toks, own_rows=tp.rows_split)
         for layer in range(c.num_layers):
             def attend(q, k, v, layer=layer):
                 ks[layer] = lax.dynamic_update_slice_in_dim(ks[layer], k, start, axis=1)
@@ -372,7 +466,8 @@ def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, 
                 o, _ = gathered_query_attention(cfg, q, ks[layer], vs[layer], q_pos_all,
                                                 kv_pos)
                 return o
-            x = tp.block(parts, p[f"layer_{layer}"], x, pos, attend)
+            x = tp.block(parts, p[f"layer_{layer}"], x, pos, attend,
+                         own_rows=tp.rows_split)
         own = (last_pos % G == idx) & (last_pos // plan.chunk == i)
         j = jnp.clip(last_pos // G - start, 0, cl - 1)
         h = x[jnp.arange(B), j].astype(F32)                            # [B, d]
@@ -421,7 +516,9 @@ def _decode_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, strategy,
                   tok, pos, cache):
     """Per device, one decode step: ``tok``, ``pos`` ``[b]`` (this device's rows,
     replicated over the sequence and tensor axes) -> logits ``[b, V]`` (the same) and the
-    cache shards with the new keys/values written."""
+    cache shards with the new keys/values written.  ``axis``: the attention's axes (with
+    ``tp.heads`` False the sequence and tensor axes together: the query rows, replicated
+    over both, attend to the cache split over both)."""
     p = _params(params)
     parts = tp.local_parts(p)
     c = parts.config
@@ -470,6 +567,13 @@ class Generator:
     the prompts' rows and the heads (an N-D model's batch and tensor axes; None for the
     one-axis model); ``param_specs``: ``((path, PartitionSpec), ...)``, the tensor-axes
     part of the model's ``param_shardings`` (``()``: every parameter replicated).
+
+    ``heads_split=False`` (``Llama.heads_split``: the tensor axes do not divide the query
+    heads): the heads stay whole and the cache is split along its length over the
+    sequence and the tensor axes together (``attention_axis``), ``P(batch_axis,
+    (sequence..., tensor...), None, None)`` with ``Hc = Hkv``; the MLP, the embedding and
+    the LM head keep the tensor split (module docstring, "Heads the tensor axes cannot
+    split").
     """
 
     config: LlamaConfig
@@ -486,10 +590,17 @@ class Generator:
     batch_axis: AxisRole = None
     head_axis: AxisRole = None
     param_specs: tuple = ()
+    heads_split: bool = True
 
     @property
     def parts(self) -> LlamaParts:
         return LlamaParts(self.config)
+
+    @property
+    def attention_axis(self) -> AxisRole:
+        """The axes that split the cache's length and reduce attention: the sequence
+        axes, joined by the tensor axes (sequence major) when the heads are whole."""
+        return _attention_axis(self.axis_name, self.head_axis, self.heads_split)
 
     @property
     def tensor_split(self) -> TensorSplit:
@@ -497,6 +608,8 @@ class Generator:
         c, T = self.config, role_size(self.mesh, self.head_axis)
         if self.head_axis is None:
             return TensorSplit(c)
+        if not self.heads_split:
+            return TensorSplit(c, self.head_axis, T, heads=False)
         return TensorSplit(c, self.head_axis, T,
                            kv_head_repeats(c.num_heads, c.num_kv_heads, T,
                                            head_axis=self.head_axis))
@@ -508,13 +621,14 @@ class Generator:
         return self.tensor_split.cache_heads
 
     def _spec(self, kind: str) -> P:
-        b, s, h = self.batch_axis, self.axis_name, self.head_axis
+        b, s = self.batch_axis, self.attention_axis
+        h = self.head_axis if self.heads_split else None
         return {"tokens": P(b, s), "rows": P(b), "logits": P(b, None),
                 "cache": P(b, s, h, None)}[kind]
 
     def cache_spec(self):
         """``NamedSharding`` of every cache array: ``P(batch_axis, axis_name, head_axis,
-        None)``."""
+        None)``; ``P(batch_axis, attention_axis, None, None)`` with the heads whole."""
         sh = NamedSharding(self.mesh, self._spec("cache"))
         return tuple((sh,) * self.config.num_layers for _ in range(2))
 
@@ -537,7 +651,7 @@ class Generator:
 
     @functools.cached_property
     def prefill(self):
-        plan, axis, mesh = self.plan, self.axis_name, self.mesh
+        plan, axis, mesh = self.plan, self.attention_axis, self.mesh
         perm = jnp.asarray(permutation("striped", plan.padded_len, plan.num_shards))
         toks_spec, rows, logits = (self._spec(k) for k in ("tokens", "rows", "logits"))
         cache = self._spec("cache")
@@ -568,9 +682,10 @@ class Generator:
         """One decode step over the whole mesh (``shard_map`` of ``_decode_local``):
         ``(params, tokens [B], positions [B], cache) -> (logits [B, V], cache)``.  Jit it
         to read its program (``comm.collective_bytes``: per layer one ``pmax`` and one
-        ``psum`` over the sequence axes; with tensor axes the bytes of the module
-        docstring on them)."""
-        plan, axis, cfg = self.plan, self.axis_name, self.config
+        ``psum`` over the sequence axes -- over the sequence and tensor axes together when
+        the heads are whole; with tensor axes the bytes of the module docstring on
+        them)."""
+        plan, axis, cfg = self.plan, self.attention_axis, self.config
         rows, logits, cache = (self._spec(k) for k in ("rows", "logits", "cache"))
         L = cfg.num_layers
         kernel = self.decode_kernel
@@ -698,6 +813,14 @@ def _path_keys(path) -> tuple:
     return keys[1:] if keys[:1] == ("params",) else keys
 
 
+def _attention_axis(sequence: AxisRole, tensor: AxisRole, heads_split: bool) -> AxisRole:
+    """The sequence axes, and after them the tensor axes when those do not split the
+    heads (``Parallelism.tensor_as_sequence``'s order: sequence major)."""
+    if heads_split or tensor is None:
+        return sequence
+    return normalize_role(axis_tuple(sequence) + axis_tuple(tensor))
+
+
 def _split_axes(mesh, axes) -> AxisRole:
     """``axes`` without those of one device (they split nothing), normalized."""
     return normalize_role(tuple(a for a in axis_tuple(axes) if mesh.shape[a] > 1))
@@ -754,20 +877,25 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
     B, P_ = prompts_shape
     batch_axis = head_axis = None
     specs = ()
+    heads_split = True
     if par is not None:
         batch_axis = _split_axes(mesh, par.batch_axes)
         head_axis = _split_axes(mesh, par.tensor_axes)
         specs = _tensor_param_specs(model.config, mesh, par, head_axis)
+        # Llama.heads_split on this mesh: the tensor axes divide the query heads
+        heads_split = model.config.num_heads % role_size(mesh, head_axis) == 0
     rows = role_size(mesh, batch_axis)
     if B % rows:
         raise ValueError(f"the batch axes {batch_axis!r} split the prompts over {rows} "
                          f"devices, but the batch of {B} prompts does not divide by {rows}")
-    plan = make_plan(B, P_, max_new_tokens, role_size(mesh, axis_name),
+    attention_axis = _attention_axis(axis_name, head_axis, heads_split)
+    plan = make_plan(B, P_, max_new_tokens, role_size(mesh, attention_axis),
                      max_prompt_len=P_ if max_prompt_len is None else max_prompt_len,
                      cache_len=cache_len, prefill_chunk=prefill_chunk, batch_shards=rows)
     return _generator(model.config, mesh, axis_name, plan, float(temperature), top_k,
                       None if top_p is None else float(top_p), eos_id, kernel,
-                      decode_kernel, decode_strategy, batch_axis, head_axis, specs)
+                      decode_kernel, decode_strategy, batch_axis, head_axis, specs,
+                      heads_split)
 
 
 def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Optional[Mesh] = None,
@@ -783,7 +911,8 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
         ``models.hf.load_pretrained``, placed anyhow); the model's own layout is not
         used.  A model with a ``parallelism`` generates on its mesh with every role at
         work (module docstring, "N-D meshes"): the prompts' rows over the batch axes,
-        the cache over the sequence and (its kv heads) the tensor axes, the weights
+        the cache over the sequence and (its kv heads) the tensor axes -- its length
+        over both when the tensor axes do not divide the query heads --, the weights
         split over the tensor axes as its ``param_shardings`` split them.
       prompts: int ``[B, P]``, right-padded; ``prompt_lengths`` ``[B]`` (default: all
         ``P``) says where each row's prompt ends.  Row ``b``'s first new token follows
