@@ -45,6 +45,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.models.generate import LlamaParts, generator_for  # noqa: E402
+from jax_seqpar.parallel.comm_time import Link  # noqa: E402
+from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
 from train_mfu import H200_BF16_DENSE, SIZES, flops_per_token  # noqa: E402
 
@@ -103,6 +105,18 @@ def dense_decoder(cfg: LlamaConfig, B: int, C: int, N: int):
     return jax.jit(run, donate_argnums=(3, 4))
 
 
+def auto_mesh(size, P_, B, G):
+    """``--mesh auto``: ``sharding.choose_mesh``'s split for this model, prompt and batch on
+    one node of ``G`` H200s (its model is the training step's: weights, optimizer state
+    and activations; generation holds no optimizer state, so the pick errs towards
+    splitting more), printed with its reason."""
+    choice = choose_mesh(LlamaConfig(**SIZES[size], dtype="bfloat16"), seq_len=P_,
+                         global_batch=B, devices_per_node=G, intra_link=Link(450e9, 5e-6),
+                         device_memory=141e9, device_flops=H200_BF16_DENSE)
+    print(f"# --mesh auto for {size}:{P_}:{B}: {choice.sizes} ({choice.reason})", flush=True)
+    return make_mesh(dict(choice.sizes), jax.devices()[:G])
+
+
 def median_time(fn, repeats):
     ts = []
     for _ in range(repeats):
@@ -112,19 +126,25 @@ def median_time(fn, repeats):
     return statistics.median(ts), ts
 
 
-def run_config(size, P_, B, a, mesh, rate):
-    G = mesh.shape["sp"]
+def run_config(size, P_, B, a, mesh, rate, par=None):
+    """``par`` (a ``sharding.Parallelism`` of ``mesh``, from ``--mesh``): the N-D model,
+    weights split over the tensor axis, prompts over the batch axes; None: the one-axis
+    model over ``mesh["sp"]``."""
+    G = mesh.devices.size
     dtype = "float32" if a.dry_run else "bfloat16"
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype=dtype)
-    model = Llama(cfg)
+    model = Llama(cfg) if par is None else Llama(cfg, mesh=mesh, parallelism=par)
     N = a.new_tokens
     rep = NamedSharding(mesh, P())
-    params = jax.jit(model.init, out_shardings=rep)(jax.random.key(0),
-                                                     jnp.zeros((1, 8), jnp.int32))
+    params = jax.jit(Llama(cfg).init, out_shardings=rep)(jax.random.key(0),
+                                                          jnp.zeros((1, 8), jnp.int32))
     prompts = jax.random.randint(jax.random.key(1), (B, P_), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((B,), P_, jnp.int32)
     gen = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk)
+    if par is not None:
+        params = gen.replicate(params)  # split over the tensor axis as the model splits it
     row = dict(size=size, prompt=P_, batch=B, devices=G, new_tokens=N,
+               mesh=dict(mesh.shape) if par is not None else {"sp": G},
                cache_len=gen.plan.cache_len, prefill_chunk=gen.plan.chunk,
                prefill_passes=gen.plan.num_chunks)
     # ---- prefill
@@ -155,12 +175,12 @@ def run_config(size, P_, B, a, mesh, rate):
     steps = N - 1
     ms = 1e3 * t_dec / steps
     c = cfg
-    w_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    w_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
     kv_per_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
     ctx = P_ + (N - 2) / 2                       # mean context over the decode steps
     step_bytes = w_bytes + B * ctx * kv_per_tok / G   # per device
     floor_ms = 1e3 * step_bytes / rate
-    row.update(decode_ms_per_token=ms, decode_runs_s=ts, weight_bytes=w_bytes,
+    row.update(decode_ms_per_token=ms, decode_runs_s=ts, weight_bytes_per_device=w_bytes,
                kv_cache_bytes_per_device=B * gen.plan.cache_len * kv_per_tok // G,
                floor_ms_per_token=floor_ms, fraction_of_floor=floor_ms / ms,
                peak_bytes=peak_memory_bytes(mesh.devices.flat[0]))
@@ -222,13 +242,26 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: the tiny shape, short prompts, 2 devices, float32")
     p.add_argument("--name", default=None)
+    p.add_argument("--mesh", default=None, metavar="data=..,fsdp=..,sequence=..,tensor=..",
+                   help="an N-D mesh over the devices (sharding.make_mesh): weights over "
+                        "the tensor axis, prompts over data x fsdp, the cache over the "
+                        "sequence (and tensor heads); 'auto': sharding.choose_mesh per "
+                        "configuration; default: the cache over every device")
     a = p.parse_args(argv)
     if a.dry_run:
         a.configs, a.new_tokens, a.repeats = "tiny:256:1,tiny:128:4", 6, 1
         a.devices = a.devices or 2
     G = a.devices or jax.device_count()
-    mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
-                         axis_types=(AxisType.Auto,))
+    par = None
+    if a.mesh and a.mesh != "auto":
+        sizes = parse_mesh_arg(a.mesh)
+        if math.prod(sizes.values()) != G:
+            p.error(f"--mesh {a.mesh}: the sizes multiply to {math.prod(sizes.values())}, "
+                    f"not {G} devices (--devices)")
+        mesh, par = make_mesh(sizes, jax.devices()[:G])
+    else:
+        mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                             axis_types=(AxisType.Auto,))
     a.strategies = ([x for x in a.strategies.split(",") if x] if a.strategies is not None
                     else (["ring", "allgather"] if G > 1 else []))
     t_start = time.perf_counter()
@@ -244,7 +277,9 @@ def main(argv=None):
             continue
         size, P_, B = spec.split(":")
         try:
-            row, _ = run_config(size, int(P_), int(B), a, mesh, rate)
+            if a.mesh == "auto":  # per configuration: choose_mesh's pick for its shapes
+                mesh, par = auto_mesh(size, int(P_), int(B), G)
+            row, _ = run_config(size, int(P_), int(B), a, mesh, rate, par)
         except Exception as e:  # noqa: BLE001  (out of memory at one size: report, go on)
             row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
                        error=f"{type(e).__name__}: {str(e)[:300]}")
