@@ -112,6 +112,14 @@ def test_parameters_are_split_by_their_logical_names():
     # no device holds a whole table: 1/8 of the embedding each
     emb = sh["embed"]["embedding"]
     assert emb.shard_shape((CFG.vocab_size, CFG.d_model)) == (64, 16)
+    # ZeRO-3 across the mesh: the data axis splits the parameters too when asked
+    mesh, par = make_mesh(MESHES["data2_seq2_tensor2"])
+    zero3 = Llama(CFG, mesh=mesh, parallelism=dataclasses.replace(par, zero3_data=True))
+    sh = zero3.param_shardings(jax.random.key(0), jnp.zeros((B, S), jnp.int32))["params"]
+    assert sh["layer_0"]["mlp"]["up_proj"]["kernel"].spec == P(("data", "sequence"), "tensor")
+    assert Llama(CFG, mesh=mesh, parallelism=par).param_shardings(
+        jax.random.key(0), jnp.zeros((B, S), jnp.int32))["params"]["layer_0"]["mlp"][
+        "up_proj"]["kernel"].spec == P("sequence", "tensor")
 
 
 def test_kv_heads_fewer_than_the_tensor_axis():
@@ -334,10 +342,11 @@ def test_bytes_per_axis_follow_the_formulas():
 
     - data (D): the gradients' all-reduce, ``2 (D-1)/D * 4 (P + 1)`` for the whole step
       (``P`` parameters, and the loss's token count);
-    - fsdp (F), forward: each block's matmul weights gathered once,
-      ``(F-1)/F * 4 * P_block`` per layer (norm scales stay replicated);
-    - tensor (T), forward: one all-reduce of the block's activation per side,
-      ``2 * 2 (T-1)/T * 4 B S d`` per layer (Megatron-LM; ``sharding.parallelism``);
+    - fsdp (F) x tensor (T) together, forward: each block's matmul weights gathered once
+      over fsdp, ``(F-1)/F * 4 * P_block / T`` per layer (their tensor slice; norm scales
+      stay replicated), and over tensor one all-reduce of the block's activation per
+      side, ``2 * 2 (T-1)/T * 4 (B/F) S d`` per layer (Megatron-LM;
+      ``sharding.parallelism``);
     - sequence (G): the ring's hops, ``costs.forward_bytes + costs.backward_bytes`` per
       layer (``backward="auto"``), K and V of the local rows only.
     """
@@ -353,11 +362,12 @@ def test_bytes_per_axis_follow_the_formulas():
 
     d, H, Hkv, Dh, ffn = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 128
     p_block = d * (H + 2 * Hkv) * Dh + H * Dh * d + 3 * d * ffn
-    (_, f1, _), (_, f2, _) = _bytes(dict(fsdp=2), 1, False), _bytes(dict(fsdp=2), 2, False)
-    assert f2["fsdp"] - f1["fsdp"] == 1 / 2 * 4 * p_block
-
-    (_, t1, _), (_, t2, _) = _bytes(dict(tensor=2), 1, False), _bytes(dict(tensor=2), 2, False)
-    assert t2["tensor"] - t1["tensor"] == 2 * 2 * (1 / 2) * 4 * B * S * d
+    ft = dict(fsdp=2, tensor=2)
+    (_, one, _), (_, two, _) = _bytes(ft, 1, False), _bytes(ft, 2, False)
+    F = T = 2
+    assert two["fsdp"] - one["fsdp"] == (F - 1) / F * 4 * p_block / T
+    assert two["tensor"] - one["tensor"] == 2 * 2 * (T - 1) / T * 4 * (B // F) * S * d
+    assert set(two) == {"fsdp", "tensor"}  # no collective spans both
 
     (_, _, s1), (_, _, s2) = (_bytes(dict(sequence=2), L, True) for L in (1, 2))
     G = 2
