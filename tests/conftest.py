@@ -90,33 +90,38 @@ GROUPS = {
     "test_packed_training.py": "packed_training",
     # one reference training run (module fixture) and a compilation cache for its children
     "test_training_checkpoint.py": "training_checkpoint",
+    # the one-device references (lru_cached) and the generators of the N-D tests
+    "test_nd_model.py": "nd_model",
+    "test_nd_generate.py": "nd_generate",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
     "test_burst.py::test_gqa_group_four_prefers_kv": "burst_bytes",
 }
 
 #: path prefixes of the longest tests (measured with --durations), longest first
 LONGEST_FIRST = (
+    "test_nd_model.py",
     "test_notebooks.py::test_notebook_executes",
     "test_multiprocess.py::test_training_example_two_processes_equals_one",
     "test_multiprocess.py::test_ring_attention_two_processes_equals_one",
     "test_multiprocess.py::test_training_step_two_processes_equals_one",
-    "test_multiprocess.py::test_demo_under_the_launcher",
-    "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
     "test_remat.py",
-    "test_llama.py",
     "test_packed_training.py",
-    "test_finetune_example.py",
-    "test_training_checkpoint.py",
-    "test_readme.py",
     "test_generate.py",
-    "test_generation_benchmarks.py",
-    "test_fsdp.py::test_sharded_training_equals_replicated",
+    "test_nd_generate.py",
+    "test_llama.py",
+    "test_training_checkpoint.py",
+    "test_finetune_example.py",
+    "test_backward_comm_benchmark.py::test_cpu_run_counts_bytes_and_checks_gradients",
+    "test_multiprocess.py::test_demo_under_the_launcher",
+    "test_multiprocess.py::test_failing_process_skips_the_orderly_exit",
+    "test_readme.py",
     "test_fsdp.py::test_train_mfu_cpu_preset",
-    "test_hf.py::test_two_processes_load_and_save",
-    "test_packed.py::test_ring_skips_pairs_that_share_no_document",
+    "test_fsdp.py::test_sharded_training_equals_replicated",
+    "test_fsdp.py::test_train_mfu_remat_switches_and_memory_account",
     "test_scaling_benchmark.py::test_cpu_run_checks_and_reports",
-    "test_decode_kernel_benchmark.py",
+    "test_layouts.py::test_block_sparse_matches_reference",
     "test_pallas_kernel.py::test_parallel_strategies_with_pallas_match_reference",
+    "test_decode_kernel_benchmark.py",
 )
 
 
