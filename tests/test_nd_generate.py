@@ -45,6 +45,12 @@ MESHES = {
     "tensor2_seq4": (dict(tensor=2, sequence=4), 8, None, 2),      # 3 prefill passes
     "seq2_tensor4": (dict(sequence=2, tensor=4), None, None, 4),   # kv heads repeated
 }
+#: the other factorizations of tests/test_nd_model.py: the tokens only
+MORE_MESHES = {
+    "seq8": (dict(sequence=8), None, None, 2),
+    "data4_seq2": (dict(data=4, sequence=2), None, "data", 2),
+    "fsdp2_seq2_tensor2": (dict(fsdp=2, sequence=2, tensor=2), None, "fsdp", 2),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +69,7 @@ def setup(cfg=CFG):
 def nd(name, cfg=CFG):
     """The model on the named mesh, its generator (the one ``generate`` builds) and the
     parameters as the generator places them."""
-    sizes, chunk, _, _ = MESHES[name]
+    sizes, chunk, _, _ = {**MESHES, **MORE_MESHES}[name]
     mesh, par = make_mesh(sizes)
     model = Llama(cfg, mesh=mesh, parallelism=par)
     gen = generator_for(model, (B, WIDTH), N, max_prompt_len=int(LENGTHS.max()),
@@ -109,6 +115,16 @@ def test_greedy_tokens_equal_one_device_and_the_cache_is_split(name):
         # stored repeated: 1 kv head per device, where the 2 original heads replicated over
         # the tensor axis would take 2 -- gcd(Hkv, T) = 2 times the bytes
         assert local[2] == 1 and local[2] * 2 == CFG.num_kv_heads
+
+
+@pytest.mark.parametrize("name", list(MORE_MESHES))
+def test_greedy_tokens_on_the_other_factorizations(name):
+    params, toks, one = setup()
+    sizes, chunk, _, _ = MORE_MESHES[name]
+    mesh, par = make_mesh(sizes)
+    out = generate(Llama(CFG, mesh=mesh, parallelism=par), params, toks, max_new_tokens=N,
+                   prompt_lengths=LENGTHS, prefill_chunk=chunk)
+    np.testing.assert_array_equal(np.asarray(out), one, name)
 
 
 def test_biases_and_tied_embeddings_on_four_tensor_devices():
