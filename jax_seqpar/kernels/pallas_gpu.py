@@ -36,6 +36,7 @@ import dataclasses
 import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -167,17 +168,26 @@ class PallasKernel:
         self._check_call(q, k, q_pos, kv_pos)
         if mask.block_mask is not None:
             raise NotImplementedError("block_mask is not supported by the pallas kernel")
-        return pallas_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                          config=self._config(q.shape[-1], q.dtype), interpret=self._interpret())
+        return _jitted_fwd(q, k, v, q_pos, kv_pos, mask, float(scale), q_seg, kv_seg,
+                           config=self._config(q.shape[-1], q.dtype),
+                           interpret=self._interpret())
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None):
         self._check_call(q, k, q_pos, kv_pos)
         if mask.block_mask is not None:
             raise NotImplementedError("block_mask is not supported by the pallas kernel")
-        return pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                          delta, config=self._config(q.shape[-1], q.dtype),
-                          interpret=self._interpret())
+        return _jitted_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, float(scale), q_seg,
+                           kv_seg, delta, config=self._config(q.shape[-1], q.dtype),
+                           interpret=self._interpret())
+
+
+# One jitted function per tile direction: a ring calls it once per step with the same
+# shapes, so the kernel is traced and lowered once per program (inlined when compiled).
+_jitted_fwd = jax.jit(pallas_fwd, static_argnums=(5, 6),
+                      static_argnames=("config", "interpret"))
+_jitted_bwd = jax.jit(pallas_bwd, static_argnums=(8, 9),
+                      static_argnames=("config", "interpret"))
 
 
 # Above xla on GPU; on CPU only by name (interpret mode is for tests, never "auto").

@@ -126,6 +126,17 @@ class XlaKernel:
 
     # ------------------------------------------------------------------ forward
     def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, kv_seg=None):
+        """``(o, lse)`` of one tile (the kernel contract, ``kernels/base.py``)."""
+        return _jitted_fwd(self, q, k, v, q_pos, kv_pos, mask, float(scale), q_seg, kv_seg)
+
+    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
+            q_seg=None, kv_seg=None, delta=None):
+        """``(dq, dk, dv)`` of one tile (the kernel contract, ``kernels/base.py``)."""
+        return _jitted_bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask, float(scale),
+                           q_seg, kv_seg, delta)
+
+    def _fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
+             kv_seg=None):
         B, Tq, Hq, D = q.shape
         Hkv = k.shape[2]
         g = Hq // Hkv
@@ -175,8 +186,8 @@ class XlaKernel:
         return o, lse
 
     # ----------------------------------------------------------------- backward
-    def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
-            q_seg=None, kv_seg=None, delta=None):
+    def _bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
+             q_seg=None, kv_seg=None, delta=None):
         B, Tq, Hq, D = q.shape
         Tk, Hkv = k.shape[1], k.shape[2]
         g = Hq // Hkv
@@ -242,6 +253,13 @@ class XlaKernel:
         dk = _unblocks(dk, 1)[:, :Tk]
         dv = _unblocks(dv, 1)[:, :Tk]
         return dq, dk, dv
+
+
+# Each tile is its own jitted function: a ring calls the kernel once per step and tile
+# kind with the same shapes, so the tile is traced and lowered once per program instead
+# of once per call (the compiler inlines it all the same).
+_jitted_fwd = jax.jit(XlaKernel._fwd, static_argnums=(0, 6, 7))
+_jitted_bwd = jax.jit(XlaKernel._bwd, static_argnums=(0, 9, 10))
 
 
 def attention_delta(o, do):
