@@ -216,7 +216,8 @@ def make_plan(batch: int, prompt_len: int, max_new_tokens: int, num_shards: int,
     elif isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) \
             or prefill_chunk < 1 or prefill_chunk % G:
         raise ValueError(f"prefill_chunk={prefill_chunk!r} must be a positive multiple of "
-                         f"the number of devices along the sequence axis ({G})")
+                         f"the number of devices the cache is striped over ({G}: the sequence axis, "
+                         f"times the tensor axis when it cannot split the heads)")
     num_chunks = -(-prompt_len // prefill_chunk)
     padded = num_chunks * prefill_chunk
     need = max(padded, max_prompt_len + max_new_tokens - 1)
@@ -231,7 +232,7 @@ def make_plan(batch: int, prompt_len: int, max_new_tokens: int, num_shards: int,
             raise ValueError(f"cache_len={cache_len!r} must be a positive int or None")
         if cache_len % G:
             raise ValueError(f"cache_len={cache_len} must be divisible by the {G} devices "
-                             f"along the sequence axis (each holds cache_len / {G} slots); "
+                             f"the cache is striped over (each holds cache_len / {G} slots); "
                              f"try cache_len={_round_up(cache_len, G)}")
         if prompt_len > cache_len:
             raise ValueError(f"the prompts ({prompt_len} tokens wide) are longer than "
