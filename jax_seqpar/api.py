@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 from jax_seqpar.runtime import _compat
 from jax_seqpar.sharding.specs import (AxisRole, activation_spec, check_batch, check_roles,
                                        head_plan, local_heads, normalize_role,
-                                       repeat_kv_heads)
+                                       repeat_kv_heads, role_size)
 from jax_seqpar.layouts import check_divisible, permutation
 from jax_seqpar.masks import BlockMask, WindowArg
 from jax_seqpar.parallel.allgather import allgather_attention_with_config
@@ -36,17 +36,6 @@ STRATEGIES = ("ring", "allgather", "tree", "ulysses", "usp", "double_ring")
 PLANNED_STRATEGIES = ()
 
 
-def _axis_tuple(axis_name) -> Tuple[str, ...]:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
-def _num_shards(mesh, axis_name) -> int:
-    G = 1
-    for name in _axis_tuple(axis_name):
-        G *= mesh.shape[name]
-    return G
-
-
 def check_nonempty(name: str, shape) -> None:
     """A zero-sized batch, sequence, head or head_dim axis has nothing to attend."""
     for axis, n in zip(("batch", "seq", "heads", "head_dim"), shape):
@@ -60,10 +49,6 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout,
               batch_axis=None, head_axis=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name in _axis_tuple(axis_name):
-        if name not in mesh.axis_names:
-            raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
-                             f"(mesh.axis_names={mesh.axis_names})")
     check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     if strategy in PLANNED_STRATEGIES:
         raise NotImplementedError(f"strategy={strategy!r} is not implemented yet; "
@@ -94,7 +79,7 @@ def _validate(q, k, v, segment_ids, mesh, axis_name, strategy, backward, layout,
     check_batch(B, mesh, batch_axis)
     head_plan(mesh, Hq, Hkv, head_axis)  # raises for query heads the head axis cannot split
     if layout not in ("striped", "auto"):  # striped: once its stripe is known; auto: chosen
-        check_divisible(layout, S, _num_shards(mesh, axis_name))
+        check_divisible(layout, S, role_size(mesh, axis_name))
     if segment_ids is not None:
         if getattr(segment_ids, "shape", None) != (B, S):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(B, S)}; "
@@ -188,7 +173,7 @@ def attention(
     batch_axis, head_axis = normalize_role(batch_axis), normalize_role(head_axis)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
-    G = _num_shards(mesh, axis_name)
+    G = role_size(mesh, axis_name)
     T, repeats = head_plan(mesh, q.shape[2], k.shape[2], head_axis)
     hq, hkv = local_heads(q.shape[2], k.shape[2], T, repeats)  # per device along head_axis
     if strategy == "usp":  # the layout deals the sequence over the outer (ring) axis

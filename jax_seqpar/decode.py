@@ -32,8 +32,8 @@ from jax_seqpar.masks import MaskSpec
 from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.tree import tree_attention
-from jax_seqpar.sharding.specs import (check_batch, check_roles, head_plan, normalize_role,
-                                       repeat_kv_heads)
+from jax_seqpar.sharding.specs import (axis_tuple, check_batch, check_roles, head_plan,
+                                       normalize_role, repeat_kv_heads, role_size)
 
 STRATEGIES = ("tree", "ring", "allgather")
 
@@ -41,14 +41,8 @@ STRATEGIES = ("tree", "ring", "allgather")
 def _validate(q, k, v, kv_lengths, mesh, axis_name, batch_axis=None, head_axis=None):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    G = 1
-    for name in names:
-        if name not in mesh.axis_names:
-            raise ValueError(f"axis_name={name!r} is not an axis of the mesh "
-                             f"(mesh.axis_names={mesh.axis_names})")
-        G *= mesh.shape[name]
     check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
+    names, G = axis_tuple(axis_name), role_size(mesh, axis_name)
     for name, x in (("q", q), ("k_cache", k), ("v_cache", v)):
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim]; "

@@ -26,7 +26,7 @@ from jax_seqpar.layouts import check_layout, permutation
 from jax_seqpar.masks import MaskSpec, WindowArg, normalize_window
 from jax_seqpar.parallel.common import BACKWARDS
 from jax_seqpar.layers.remat import seq_selective_attention
-from jax_seqpar.sharding.specs import axis_tuple, check_roles, normalize_role, role_size
+from jax_seqpar.sharding.specs import check_roles, normalize_role, role_size
 
 F32 = jnp.float32
 
@@ -38,10 +38,6 @@ def check_mesh(mesh: Optional[Mesh], axis_name: str, batch_axis=None,
         return
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-    for name in axis_tuple(axis_name):
-        if name not in mesh.axis_names:
-            raise ValueError(f"axis_name={axis_name!r}: {name!r} is not an axis of the mesh "
-                             f"(mesh.axis_names={mesh.axis_names})")
     check_roles(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     if _compat.has_explicit_axes(mesh):
         raise ValueError(

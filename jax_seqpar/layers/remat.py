@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from jax_seqpar import api
 from jax_seqpar.layouts import check_divisible
 from jax_seqpar.masks import WindowArg
-from jax_seqpar.sharding.specs import head_plan, normalize_role
+from jax_seqpar.sharding.specs import head_plan, normalize_role, role_size
 from jax_seqpar.parallel.common import ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE, make_config
 from jax_seqpar.parallel.selective import (ATTN_LSE_LATE, ATTN_OUT_LATE, EARLY_SCOPE,
                                            LATE_SCOPE)
@@ -128,7 +128,7 @@ def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[
     batch_axis, head_axis = normalize_role(batch_axis), normalize_role(head_axis)
     if not isinstance(permuted, bool):
         raise TypeError(f"permuted={permuted!r} must be a bool")
-    G = api._num_shards(mesh, axis_name)
+    G = role_size(mesh, axis_name)
     _, repeats = head_plan(mesh, q.shape[2], k.shape[2], head_axis)
     check_divisible(layout, q.shape[1], G)
     if (q.shape[1] // G) % 2:

@@ -361,9 +361,8 @@ class Llama(nn.Module):
         through ``parallelism``'s rules (largest dividing group of axes per dimension)."""
         if self.mesh is None:
             raise ValueError("the model has no mesh (mesh=None)")
-        specs = self.logical_specs(*args, **kwargs)
-        shapes = jax.eval_shape(lambda: nn.Module.init(self, *args, **kwargs))
-        shapes = nn.meta.unbox(shapes)
+        boxed = jax.eval_shape(lambda: nn.Module.init(self, *args, **kwargs))  # traced once
+        specs, shapes = nn.get_partition_spec(boxed), nn.meta.unbox(boxed)
         par = self.par
         def one(spec, s):  # unnamed parameters (norm scales) have P(): never split
             names = tuple(spec) + (None,) * (len(s.shape) - len(spec))
