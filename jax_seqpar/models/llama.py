@@ -19,6 +19,12 @@ logits are never stored, and the head's gradients are made in the forward.  It i
 default on every platform for now; the GPU benchmark (``benchmarks/lm_head.py``) decides
 whether it stays the default where it would be slower than the plain logits.
 
+``config.scan_layers`` runs the blocks as one ``nn.scan`` over parameters stacked along a
+leading layer axis (``params["layers"]``, every leaf ``[num_layers, ...]``) instead of
+``num_layers`` copies of the block in the program (``params["layer_0"]``, ...): XLA then
+compiles one block, whatever the depth.  ``models.stacking`` converts between the two
+forms (and reads one layer of either).
+
 ``config.remat`` checkpoints every block (``jax_seqpar.layers.remat``): ``"full"`` keeps the
 block inputs only, ``"attention"`` also keeps the attention output and lse (DistFlashAttn
 §3.3), ``"seq_selective"`` keeps them for the later half of each shard (BurstEngine §3.2),
@@ -50,6 +56,8 @@ from jax_seqpar.masks import WindowArg, normalize_window
 from jax_seqpar.layers.remat import BLOCK_INPUT, MLP_GATE, MLP_UP, REMAT_MODES, policy_for
 
 F32 = jnp.float32
+#: The parameter subtree (and logical axis name) of the stacked blocks with ``scan_layers``.
+LAYERS = "layers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,10 @@ class LlamaConfig:
     ``max_position_embeddings``: the length the checkpoint states it was trained for
     (metadata: the model never reads it; ``to_hf`` writes it back).  ``from_hf`` /
     ``to_hf`` convert transformers' ``config.json`` dicts (``models.hf``).
+
+    ``scan_layers``: the decoder blocks as one loop over stacked parameters (the module
+    docstring; ``models.stacking``); the same model, compiled once per block instead of
+    once per layer.
     """
 
     vocab_size: int
@@ -97,6 +109,7 @@ class LlamaConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     max_position_embeddings: Optional[int] = None
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -143,7 +156,7 @@ class LlamaConfig:
                                     or val < 1):
                 raise ValueError(f"{name}={val!r} must be a positive int or None")
         object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
-        for name in ("attention_bias", "attention_out_bias", "mlp_bias"):
+        for name in ("attention_bias", "attention_out_bias", "mlp_bias", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
 
@@ -231,6 +244,7 @@ class LlamaBlock(nn.Module):
     config: LlamaConfig
     options: SeqParallelOptions
     parallelism: Optional[Parallelism] = None
+    scanned: bool = False   # the body of ``nn.scan``: returns ``(carry, None)``
 
     def residual(self, x):
         """The residual stream between the two halves of a block: rows over the sequence
@@ -264,7 +278,8 @@ class LlamaBlock(nn.Module):
         h = self.residual(h)
         out = h + SwiGLU(c.ffn_dim, dt, pdt, c.mlp_bias, o.mesh, self.parallelism, name="mlp")(
             RMSNorm(c.norm_eps, dt, pdt, name="mlp_norm")(h))
-        return self.residual(out)
+        out = self.residual(out)
+        return (out, None) if self.scanned else out
 
 
 class Llama(nn.Module):
@@ -400,6 +415,32 @@ class Llama(nn.Module):
         inv = np.argsort(self.permutation(x.shape[1]))
         return jnp.take(x, jnp.asarray(inv), axis=1)
 
+    def blocks(self, x, segment_ids, positions, opts):
+        """The ``num_layers`` decoder blocks, each under the remat policy; unrolled
+        (``layer_0``, ...) or, with ``config.scan_layers``, one ``nn.scan`` (``layers``)
+        whose body is the remat'd block, so the policy applies inside the loop."""
+        c = self.config
+        block = LlamaBlock
+        if c.remat != "none":
+            # inside a scan the loop already keeps XLA from merging the recomputation
+            # into the forward, so prevent_cse is not needed there (flax's advice)
+            block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),
+                             prevent_cse=not c.scan_layers)
+        if not c.scan_layers:
+            for i in range(c.num_layers):
+                x = block(c, opts, self.parallelism, name=f"layer_{i}")(
+                    x, segment_ids, positions)
+            return x
+        # Parameters stacked on a new leading axis, named "layers" for the sharding rules,
+        # which never split it (sharding.parallelism: a split layer axis would make every
+        # step of the loop gather a whole layer from other devices).
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
+                        metadata_params={nn.PARTITION_NAME: LAYERS})
+        x, _ = stack(c, opts, self.parallelism, scanned=True, name=LAYERS)(
+            x, segment_ids, positions)
+        return x
+
     @nn.compact
     def __call__(self, tokens, segment_ids=None, positions=None, layout_order: bool = False,
                  return_hidden: bool = False):
@@ -426,12 +467,7 @@ class Llama(nn.Module):
                           nn.initializers.normal(0.02), ("vocab", "embed")),
                       mesh=self.mesh, parallelism=self.parallelism, name="embed")
         x = self.constrain(embed(tokens), ("batch", "residual", "embed"))
-        block = LlamaBlock
-        if c.remat != "none":
-            block = nn.remat(LlamaBlock, policy=policy_for(c.remat, c.remat_offload),
-                             prevent_cse=True)
-        for i in range(c.num_layers):
-            x = block(c, opts, self.parallelism, name=f"layer_{i}")(x, segment_ids, positions)
+        x = self.blocks(x, segment_ids, positions, opts)
         x = RMSNorm(c.norm_eps, dt, pdt, name="final_norm")(x)
         if return_hidden:
             return x if layout_order else self.from_layout(x)

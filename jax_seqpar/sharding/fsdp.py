@@ -12,7 +12,11 @@ same way).  Nothing here gathers by hand.
 Which dimension: the largest one divisible by the number of shards (ties: the first),
 so that every shard holds an equal slice; arrays with no such dimension, or fewer than
 ``min_elements`` elements (norm scales, step counters), stay replicated, where the
-saving would be smaller than the cost of one more collective.
+saving would be smaller than the cost of one more collective.  The leading axis of the
+stacked blocks of a scanned model (leaves under a ``"layers"`` key,
+``LlamaConfig.scan_layers``) is never chosen: split over the devices, every step of the
+layer loop would gather a whole layer from the few devices that hold it, where FSDP
+wants each device to hold a slice of every layer.
 
     shardings = fsdp_shardings(params, mesh, "sp")
     params = jax.device_put(params, shardings)
@@ -41,15 +45,21 @@ def _axes(mesh: Mesh, axis: AxisNames) -> Tuple[str, ...]:
     return names
 
 
+#: The key under which a scanned model keeps its stacked blocks (``models.llama.LAYERS``).
+STACKED_KEY = "layers"
+
+
 def fsdp_spec(shape: Sequence[int], num_shards: int, axis: AxisNames,
-              min_elements: int = 2 ** 14) -> P:
-    """The ``PartitionSpec`` that splits an array of ``shape`` over ``axis`` (FSDP rule)."""
+              min_elements: int = 2 ** 14, *, stacked: bool = False) -> P:
+    """The ``PartitionSpec`` that splits an array of ``shape`` over ``axis`` (FSDP rule);
+    ``stacked``: dimension 0 is a layer axis, never split (module docstring)."""
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards={num_shards!r} must be a positive int")
     spec = [None] * len(shape)
     if num_shards == 1 or math.prod(shape) < min_elements:
         return P(*spec)
-    candidates = [(d, i) for i, d in enumerate(shape) if d % num_shards == 0]
+    candidates = [(d, i) for i, d in enumerate(shape)
+                  if d % num_shards == 0 and not (stacked and i == 0)]
     if not candidates:
         return P(*spec)
     _, dim = max(candidates, key=lambda c: (c[0], -c[1]))
@@ -69,13 +79,15 @@ def fsdp_shardings(tree, mesh: Mesh, axis: AxisNames = "sp", *,
     num = math.prod(mesh.shape[n] for n in names)
     spec_axis = names[0] if len(names) == 1 else names
 
-    def one(x):
+    def one(path, x):
         shape = getattr(x, "shape", None)
         if shape is None:
             raise TypeError(f"fsdp_shardings: leaf {x!r} has no shape")
-        return NamedSharding(mesh, fsdp_spec(tuple(shape), num, spec_axis, min_elements))
+        stacked = any(getattr(k, "key", None) == STACKED_KEY for k in path)
+        return NamedSharding(mesh, fsdp_spec(tuple(shape), num, spec_axis, min_elements,
+                                             stacked=stacked))
 
-    return jax.tree.map(one, tree)
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def replicated_shardings(tree, mesh: Mesh):

@@ -40,7 +40,8 @@ Logical names:
 
 - ``batch``, ``length`` (attention's rows), ``residual`` (the residual stream's rows:
   over the sequence axes, see above), ``heads``, ``kv_heads``, ``head_dim``,
-  ``embed``, ``mlp``, ``vocab``; ``None`` for a dimension that is never split.
+  ``embed``, ``mlp``, ``vocab``; ``layers`` (the stacked blocks' leading axis of a
+  scanned model: never split); ``None`` for a dimension that is never split.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from jax_seqpar.sharding.specs import AxisRole, axis_tuple, check_roles, normali
 
 ROLES = ("data", "fsdp", "sequence", "tensor")
 LOGICAL_NAMES = ("batch", "length", "residual", "heads", "kv_heads", "head_dim", "embed",
-                 "mlp", "vocab")
+                 "mlp", "vocab", "layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,10 @@ class Parallelism:
             ("vocab", tensor),
             ("embed", self.param_axes),
             ("head_dim", ()),
+            # The stacked blocks' leading axis (LlamaConfig.scan_layers) is never split:
+            # split, each step of the layer loop would gather its whole layer from the
+            # devices holding it, instead of each device gathering its share of a layer.
+            ("layers", ()),
         )
 
     def spec(self, names: Sequence[Optional[str]], shape: Optional[Sequence[int]] = None,
