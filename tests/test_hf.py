@@ -5,7 +5,8 @@ transformers itself (``tests/fixtures/make_hf_fixtures.py``); nothing here needs
 Logits within 1e-5 (float32, norm-wise) on one device and on 8 devices (zigzag for every
 checkpoint, striped for Mistral); save -> load round trips; multi-file checkpoints;
 ``params="fsdp"`` / ``"replicated"`` shardings; every bad input raising a ``ValueError``
-that names the field or tensor.
+that names the field or tensor; the scanned form (``scan_layers=True``, issue 39) loaded
+onto each placement and saved to the same files as the unrolled one.
 """
 
 import dataclasses
@@ -397,3 +398,142 @@ def test_two_processes_load_and_save(tmp_path):
     for name in src:
         with safe_open(src[name].file, "numpy") as f, safe_open(dst[name].file, "numpy") as g:
             np.testing.assert_array_equal(f.get_tensor(name), g.get_tensor(name), name)
+
+
+# --------------------------------------------------------------------------- scanned
+SCANNED = ["llama_plain", "llama32_tied", "llama_bias", "qwen2"]  # index, tied, biases
+
+
+def test_scanned_load_gives_transformers_logits_on_one_device():
+    """``scan_layers=True``: the stacked parameters (``layers``, every leaf ``[L, ...]``)
+    equal ``stack_layers`` of the unrolled load, on the first device, and the scanned
+    model gives transformers' logits."""
+    from jax_seqpar.models.stacking import stack_layers
+
+    first = {jax.local_devices()[0]}
+    for name in SCANNED:
+        r = ref(name)
+        cfg, params = load_pretrained(os.path.join(FIX, name), dtype="float32",
+                                      scan_layers=True)
+        assert cfg.scan_layers and set(params["params"]) >= {"layers"}
+        assert not any(k.startswith("layer_") for k in params["params"]), name
+        assert all(x.sharding.device_set == first for x in jax.tree.leaves(params))
+        _, unrolled = load_pretrained(os.path.join(FIX, name), dtype="float32")
+        want = stack_layers(unrolled)
+        assert jax.tree.structure(params) == jax.tree.structure(want), name
+        jax.tree.map(np.testing.assert_array_equal, params, want)
+        assert_close(logits(cfg, params, r["input_ids"]), r["logits"], TOL, f"{name} scanned")
+
+
+@pytest.mark.parametrize("name, placement", [("llama_plain", "fsdp"),
+                                             ("qwen2", "data2_seq2_tensor2")])
+def test_scanned_load_gives_transformers_logits_on_a_mesh(name, placement):
+    """The scanned form on 8 devices: FSDP over one axis (zigzag), and the logical rules
+    of data 2 x sequence 2 x tensor 2, where every stacked parameter lands on the
+    sharding the scanned model gives it (its layer axis unsplit)."""
+    from jax_seqpar.sharding.parallelism import make_mesh
+
+    r = ref(name)
+    path = os.path.join(FIX, name)
+    if placement == "fsdp":
+        cfg, params = load_pretrained(path, mesh=auto_mesh(), dtype="float32",
+                                      scan_layers=True)
+        out = logits(cfg, params, r["input_ids"], auto_mesh())
+    else:
+        mesh, par = make_mesh(dict(data=2, sequence=2, tensor=2))
+        cfg, params = load_pretrained(path, mesh=mesh, parallelism=par, dtype="float32",
+                                      scan_layers=True)
+        model = Llama(cfg, mesh=mesh, parallelism=par)
+        ids = jnp.asarray(np.concatenate([r["input_ids"]] * 2))  # the data axis splits it
+        want = model.param_shardings(jax.random.key(0), ids)
+        assert jax.tree.structure(params) == jax.tree.structure(want)
+        for got, w in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+            assert got.sharding == w
+        stacked = jax.tree.leaves(params["params"]["layers"])
+        assert all(x.sharding.spec[0] is None for x in stacked)
+        assert any(set(x.sharding.spec) - {None} for x in stacked)  # the rules split some
+        out = jax.jit(model.apply)(params, ids)[: len(r["input_ids"])]
+    assert params["params"]["layers"]["mlp"]["up_proj"]["kernel"].shape == (2, 64, 96)
+    assert_close(out, r["logits"], TOL, f"{name} scanned {placement}")
+
+
+def test_scanned_fsdp_placement_streams_and_saves_the_same_files(tmp_path, monkeypatch):
+    """A 2-layer checkpoint large enough to be split, loaded scanned onto FSDP over 8
+    devices: every stacked parameter on ``fsdp_shardings`` of the stacked tree (layer axis
+    never split), each read of a split one a device's slice (1/8 of every layer's tensor,
+    written into its slot), values ``stack_layers`` of what was saved; replicated too.
+    ``save_pretrained`` of the scanned parameters writes the same files, byte for byte, as
+    saving the unrolled ones (one layer gathered at a time)."""
+    import jax_seqpar.models.hf as hf
+    from jax_seqpar.models.stacking import stack_layers
+
+    cfg = LlamaConfig(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_dim=256, attention_bias=True, max_position_embeddings=4096)
+    params = random_params(cfg, 3)
+    save_pretrained(cfg, params, tmp_path / "unrolled", max_shard_size="300KB")
+    reads = []
+    real_read = hf.read_slice
+
+    def spy(info, view=None, index=()):
+        out = real_read(info, view, index)
+        reads.append((os.path.basename(info.file), info.offset, out.size,
+                      int(np.prod(info.shape))))
+        return out
+
+    monkeypatch.setattr(hf, "read_slice", spy)
+    mesh = auto_mesh()
+    loaded_cfg, scanned = load_pretrained(tmp_path / "unrolled", mesh=mesh, dtype="float32",
+                                          scan_layers=True)
+    monkeypatch.setattr(hf, "read_slice", real_read)
+    assert loaded_cfg == dataclasses.replace(cfg, scan_layers=True)
+    want = stack_layers(params)
+    shardings = fsdp_shardings(want, mesh, "sp")
+    assert jax.tree.structure(scanned) == jax.tree.structure(want)
+    split = 0
+    for x, w, s in zip(jax.tree.leaves(scanned), jax.tree.leaves(want),
+                       jax.tree.leaves(shardings)):
+        assert x.sharding == s
+        np.testing.assert_array_equal(np.asarray(x), w)
+    for x in jax.tree.leaves(scanned["params"]["layers"]):
+        assert x.shape[0] == 2 and x.sharding.spec[0] is None
+        if set(x.sharding.spec) != {None}:
+            split += 1
+            assert all(sh.data.size * 8 == x.size for sh in x.addressable_shards)
+    assert split >= 4  # q/k/v/o and the MLP kernels
+    # a split tensor is read in device slices, never whole (norms / biases are replicated)
+    whole = {(f, off) for f, off, n, total in reads if n == total}
+    sliced = {(f, off) for f, off, n, total in reads if n * 8 == total}
+    assert len(sliced) >= 2 * split and not whole & sliced
+    _, repl = load_pretrained(tmp_path / "unrolled", mesh=mesh, dtype="float32",
+                              params="replicated", scan_layers=True)
+    for x, w in zip(jax.tree.leaves(repl), jax.tree.leaves(want)):
+        assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(x), w)
+
+    save_pretrained(loaded_cfg, scanned, tmp_path / "scanned", max_shard_size="300KB")
+    files = sorted(os.listdir(tmp_path / "unrolled"))
+    assert len(files) > 3 and sorted(os.listdir(tmp_path / "scanned")) == files
+    for f in files:
+        with open(tmp_path / "unrolled" / f, "rb") as a, open(tmp_path / "scanned" / f,
+                                                               "rb") as b:
+            assert a.read() == b.read(), f
+
+
+def test_save_refuses_a_stacked_tree_that_is_not_the_config(tmp_path):
+    from jax_seqpar.models.stacking import stack_layers, unstack_layers
+
+    cfg = LlamaConfig(vocab_size=32, d_model=16, num_heads=2, num_kv_heads=1, num_layers=2)
+    scanned = stack_layers(random_params(cfg))
+    with pytest.raises(ValueError, match=r"parameter layers/attn_norm/scale has shape "
+                                         r"\(2, 16\); the config gives \(3, 16\) "
+                                         r"\(num_layers=3 stacked layers of \(16,\)\)"):
+        save_pretrained(dataclasses.replace(cfg, num_layers=3), scanned, tmp_path)
+    with pytest.raises(ValueError, match=r"parameter layers/attn/q_proj/bias \("
+                                         r"model.layers.0.self_attn.q_proj.bias .. "
+                                         r"model.layers.1.self_attn.q_proj.bias\) is missing"):
+        save_pretrained(dataclasses.replace(cfg, attention_bias=True), scanned, tmp_path)
+    both = {"params": {**scanned["params"], "layer_0": unstack_layers(scanned)["params"]
+                       ["layer_0"]}}
+    with pytest.raises(ValueError, match=r"parameter layer_0/.* not a parameter .*either "
+                                         r"layer_i or layers"):
+        save_pretrained(cfg, both, tmp_path)

@@ -363,3 +363,92 @@ def test_optimizer_state_in_host_memory_trains_and_checkpoints_alike(tmp_path):
     assert_states_equal(w.to_host(restored.state), w.to_host(a), "restored")
     with pytest.raises(ValueError, match="opt_memory='hbm' must be one of"):
         abstract_train_state(model, optimizer, key, (w.B, w.S), opt_memory="hbm")
+
+
+# --------------------------------------------------------------------------- (e)
+def _layers_model(mesh, scan_layers, num_layers=2):
+    """A tiny 2-layer Llama (the worker's sizes) unrolled or scanned, and an optimizer
+    whose state mirrors the parameters (Adam's moments)."""
+    import optax
+
+    from jax_seqpar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=61, d_model=32, num_layers=num_layers, num_heads=4,
+                      num_kv_heads=2, scan_layers=scan_layers)
+    return Llama(cfg, mesh=mesh, layout="zigzag", strategy="ring"), optax.adam(1e-2)
+
+
+def _saved_state(model, optimizer):
+    """A state of ``model`` whose moments are not zeros (one Adam update with the
+    parameters as gradients), so that a moment restored into the wrong slot shows."""
+    from jax_seqpar.training import init_train_state
+
+    state = init_train_state(model, optimizer, jax.random.key(1), (w.B, w.S), min_elements=0)
+    _, opt_state = optimizer.update(state.params, state.opt_state, state.params)
+    return state.replace(opt_state=opt_state)
+
+
+@pytest.mark.parametrize("saved_scanned, sharding", [(False, "fsdp"), (True, "replicated")])
+def test_restore_into_the_other_form_of_the_layers(tmp_path, saved_scanned, sharding):
+    """A state saved from an unrolled model restores into a scanned model's abstract state
+    (parameters and both Adam moments ``stack_layers`` of the saved ones) and the
+    reverse (``unstack_layers``), every leaf on the requested sharding (FSDP with the
+    layer axis unsplit, or replicated); the data state comes back too."""
+    from jax_seqpar.models.stacking import to_form
+    from jax_seqpar.training.checkpoint import block_forms
+
+    mesh = w.make_mesh()
+    state = _saved_state(*_layers_model(mesh, saved_scanned))
+    saved = w.to_host(state)
+    model, optimizer = _layers_model(mesh, not saved_scanned)
+    abstract = abstract_train_state(model, optimizer, jax.random.key(1), (w.B, w.S),
+                                    sharding=sharding, min_elements=0)
+    assert block_forms(abstract) == {"unrolled" if saved_scanned else "scanned": 2}
+    with TrainCheckpointer(CheckpointConfig(tmp_path, save_every=1)) as ckpt:
+        ckpt.save(0, state, {"index": 7})
+        ckpt.wait_until_finished()
+        assert block_forms(ckpt.stored_tree(0)) == {"scanned" if saved_scanned
+                                                   else "unrolled": 2}
+        restored = ckpt.restore(0, abstract)
+    assert restored.data_state == {"index": 7}
+    assert jax.tree.structure(restored.state) == jax.tree.structure(abstract)
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(abstract)):
+        assert got.sharding == want.sharding, (got.sharding, want.sharding)
+        assert got.shape == want.shape and got.dtype == want.dtype
+    if not saved_scanned:  # FSDP of the stacked leaves: never the layer axis, the others
+        stacked = jax.tree.leaves(restored.state.params["params"]["layers"])
+        assert all(x.sharding.spec[0] is None for x in stacked)
+        assert any("sp" in x.sharding.spec for x in stacked)
+    assert_states_equal(w.to_host(restored.state),
+                        w.to_host(to_form(saved, not saved_scanned)), "converted")
+
+
+def test_restore_across_forms_says_how_to_convert(tmp_path, monkeypatch):
+    """What cannot be converted raises a ValueError that names the way out: a checkpoint
+    whose state holds no layers, another number of layers, a state that holds both
+    forms, and (no metadata) a restore into the other form that fails."""
+    mesh = w.make_mesh()
+    state = _saved_state(*_layers_model(mesh, False))
+    scanned_abstract = abstract_train_state(*_layers_model(mesh, True), jax.random.key(1),
+                                            (w.B, w.S), min_elements=0)
+    three = abstract_train_state(*_layers_model(mesh, True, 3), jax.random.key(1),
+                                 (w.B, w.S), min_elements=0)
+    with TrainCheckpointer(CheckpointConfig(tmp_path, save_every=1)) as ckpt:
+        ckpt.save(0, state)
+        ckpt.save(2, _small_state(mesh, 2))
+        ckpt.wait_until_finished()
+        with pytest.raises(ValueError, match=r"checkpoint 2 .* cannot tell the form of its "
+                                             r"layers .*stack_layers / unstack_layers"):
+            ckpt.restore(2, scanned_abstract)
+        with pytest.raises(ValueError, match=r"holds 2 layers \(unrolled\); abstract_state "
+                                             r"has 3 \(scanned\)"):
+            ckpt.restore(0, three)
+        both = scanned_abstract.replace(params={"params": {
+            **scanned_abstract.params["params"], "layer_0": state.params["params"]["layer_0"]}})
+        with pytest.raises(ValueError, match="holds the blocks in both forms"):
+            ckpt.restore(0, both)
+        monkeypatch.setattr(TrainCheckpointer, "stored_tree", lambda self, step: None)
+        with pytest.raises(ValueError, match=r"metadata cannot be read.*stack_layers"):
+            ckpt.restore(0, scanned_abstract)
+        same = ckpt.restore(0, state)  # the saved form needs no metadata
+    assert_states_equal(w.to_host(same.state), w.to_host(state), "same form")

@@ -31,6 +31,23 @@ config fields that set its shape.
 ``save_pretrained`` writes ``config.json`` (``hf_config.config_to_hf``) and safetensors
 shards in transformers' names, each tensor gathered to the host on its own (all
 processes take part in the gather; only process 0 writes).
+
+Scanned layers (``scan_layers=True``, ``models.stacking``): the checkpoint keeps one tensor
+per layer (``model.layers.{i}....``), the model one ``[num_layers, ...]`` parameter under
+``layers`` per block parameter.  ``load_pretrained(..., scan_layers=True)`` builds each
+stacked parameter directly on its sharding, still one parameter at a time: the callback of
+``jax.make_array_from_callback`` reads, for each device's slice of the stacked array,
+that slice of every layer's tensor from the file, one layer after the other, into its
+slot of the slice (no device's slice holds more than its part of each layer, and no
+device ever holds the whole stack unless its sharding says so); then the transpose /
+conversion on the devices, with the permutation moved one axis right (the layer axis
+stays first and is never split).  As for every parameter, the slices of this process's
+devices are on the host together until ``make_array_from_callback`` puts them on the
+devices: for a stacked parameter that is this process's share of all its layers.
+``tensor_map`` stays per layer: it is the name mapping of either form.
+``save_pretrained`` takes either form (``stacking.is_scanned``); of a stacked parameter
+it gathers one layer at a time (a jitted ``x[i]``, then the same gather to the host), so
+the files are those the unrolled parameters give, byte for byte.
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +68,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from jax_seqpar.runtime import distributed
 from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
+from jax_seqpar.models import stacking
 from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf
-from jax_seqpar.models.llama import LlamaConfig
-from jax_seqpar.models.safetensors_io import (TensorInfo, parse_size, plan_shards,
+from jax_seqpar.models.llama import LAYERS, LlamaConfig
+from jax_seqpar.models.safetensors_io import (DTYPES, TensorInfo, parse_size, plan_shards,
                                               read_header, read_slice, write_file)
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PARAMS_MODES = ("fsdp", "replicated")
 _SKIPPED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_KEY = re.compile(r"^layer_(\d+)$")
 
 
 def config_from_hf(hf: dict, *, ignore=(), **overrides) -> LlamaConfig:
@@ -82,7 +101,9 @@ class Entry(NamedTuple):
 
 def tensor_map(cfg) -> Dict[Tuple[str, ...], Entry]:
     """``{parameter path: Entry}`` for every parameter of ``Llama(cfg)``, in checkpoint
-    order (the paths of ``model.init(...)["params"]``, flattened)."""
+    order: the paths of the unrolled form's ``model.init(...)["params"]``, flattened
+    (``layer_i/...``), whatever ``cfg.scan_layers`` says -- one entry per checkpoint
+    tensor.  ``param_plan`` groups them into the scanned form's stacked parameters."""
     d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
     H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     out: Dict[Tuple[str, ...], Entry] = {}
@@ -123,6 +144,52 @@ def tensor_map(cfg) -> Dict[Tuple[str, ...], Entry]:
     same("final_norm/scale", "model.norm.weight", (d,), "hidden_size")
     if not cfg.tie_embeddings:
         linear("lm_head/kernel", "lm_head.weight", V, d, "vocab_size, hidden_size")
+    return out
+
+
+class Param(NamedTuple):
+    """One parameter of the model's form: its checkpoint tensors (one, or with
+    ``stacked`` the ``num_layers`` tensors of layers ``0 .. L-1``, stacked on a new
+    leading axis: ``param[i] = entries[i]``'s parameter)."""
+    entries: Tuple[Entry, ...]
+    stacked: bool
+
+    @property
+    def view(self) -> Tuple[int, ...]:
+        """The stored layout (``Entry.view``), with the layer axis first if stacked."""
+        e = self.entries[0]
+        return (len(self.entries),) + e.view if self.stacked else e.view
+
+    @property
+    def perm(self) -> Tuple[int, ...]:
+        """``param = view.transpose(perm)``: ``Entry.perm`` moved past the layer axis."""
+        e = self.entries[0]
+        return (0,) + tuple(p + 1 for p in e.perm) if self.stacked else e.perm
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.view[p] for p in self.perm)
+
+    @property
+    def names(self) -> str:
+        """The checkpoint tensors, for messages."""
+        first, last = self.entries[0].hf_name, self.entries[-1].hf_name
+        return first if first == last else f"{first} .. {last}"
+
+
+def param_plan(cfg, scanned: Optional[bool] = None) -> Dict[Tuple[str, ...], Param]:
+    """``{parameter path: Param}`` of ``Llama(cfg)``'s parameters in the unrolled
+    (``scanned=False``: ``tensor_map`` one to one) or the scanned form (every
+    ``layer_i/rest`` of ``tensor_map`` becomes ``layers/rest``, stacked in layer order);
+    ``scanned=None``: ``cfg.scan_layers``."""
+    scanned = cfg.scan_layers if scanned is None else scanned
+    out: Dict[Tuple[str, ...], Param] = {}
+    for key, e in tensor_map(cfg).items():
+        if not (scanned and _LAYER_KEY.match(key[0])):
+            out[key] = Param((e,), False)
+            continue
+        skey = (LAYERS,) + key[1:]   # tensor_map lists the layers in order
+        out[skey] = Param((out[skey].entries if skey in out else ()) + (e,), True)
     return out
 
 
@@ -212,21 +279,39 @@ def _source_sharding(sharding, perm):
     return NamedSharding(sharding.mesh, P(*src))
 
 
-def _load_tensor(info: TensorInfo, e: Entry, sharding, dtype) -> jax.Array:
+def _read_stacked(infos: Sequence[TensorInfo], view: Tuple[int, ...], index) -> np.ndarray:
+    """``stack([t.reshape(view) for t in tensors])[index]``: the slice ``index[1:]`` of
+    each layer that ``index[0]`` selects, read one layer at a time into its slot of the
+    output (never all layers' whole tensors)."""
+    index = tuple(index) + (slice(None),) * (len(view) + 1 - len(index))
+    layers = range(len(infos))[index[0]]
+    rest = index[1:]
+    shape = (len(layers),) + tuple(len(range(n)[i]) for n, i in zip(view, rest))
+    dtypes = {DTYPES[infos[i].dtype] for i in layers}
+    out = np.empty(shape, dtypes.pop() if len(dtypes) == 1 else np.result_type(*dtypes))
+    for slot, i in enumerate(layers):
+        out[slot] = read_slice(infos[i], view, rest)
+    return out
+
+
+def _load_tensor(infos: Sequence[TensorInfo], p: Param, sharding, dtype) -> jax.Array:
     """One parameter onto ``sharding``: each device's slice read in the stored layout and
-    dtype (whole rows of the file), put on its device, then transposed and converted
+    dtype (whole rows of the file; of a stacked parameter, that slice of every layer's
+    tensor written into its slot), put on its device, then transposed and converted
     there.  A slice that several devices share is read once."""
     cache: Dict[tuple, np.ndarray] = {}
+    view = p.entries[0].view
 
     def read(index):
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in cache:
-            cache[key] = read_slice(info, e.view, index)
+            cache[key] = (_read_stacked(infos, view, index) if p.stacked
+                          else read_slice(infos[0], view, index))
         return cache[key]
 
-    x = jax.make_array_from_callback(e.view, _source_sharding(sharding, e.perm), read)
-    if e.perm != tuple(range(len(e.perm))) or x.dtype != dtype:
-        x = _relayout(e.perm, jnp.dtype(dtype), sharding)(x)
+    x = jax.make_array_from_callback(p.view, _source_sharding(sharding, p.perm), read)
+    if p.perm != tuple(range(len(p.perm))) or x.dtype != dtype:
+        x = _relayout(p.perm, jnp.dtype(dtype), sharding)(x)
     # wait, so that the host copies of this tensor are freed before the next one is read
     # (host memory stays near one tensor even if reading outpaces the transfers)
     return jax.block_until_ready(x)
@@ -249,6 +334,11 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     goes onto the sharding that ``Llama(config, mesh=mesh, parallelism=parallelism)``
     gives it by its logical names (``Llama.param_shardings``; still one tensor at a
     time, each device reading only its slice) instead of the one-axis ``params`` modes.
+
+    ``scan_layers=True`` (a config override) returns the scanned form
+    (``params["params"]["layers"]``, every leaf ``[num_layers, ...]``), each stacked
+    parameter read layer by layer into its slot on its sharding (the module docstring);
+    the layer axis is never split.
     """
     path = os.fspath(path)
     cfg_file = os.path.join(path, "config.json")
@@ -261,27 +351,29 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
                          **config_overrides)
     arch = hf.get("architectures", ["?"])[0] if hf.get("architectures") else hf["model_type"]
     tensors = checkpoint_tensors(path)
-    tmap = tensor_map(cfg)
-    _check(tensors, tmap, cfg, arch)
+    _check(tensors, tensor_map(cfg), cfg, arch)
+    plan = param_plan(cfg)
     if parallelism is not None:
         if mesh is None:
             raise ValueError("parallelism=... places the tensors on a mesh; pass mesh=...")
         shardings = _logical_shardings(cfg, mesh, parallelism)
-        missing = set(tmap) - set(shardings)
+        missing = set(plan) - set(shardings)
         if missing:  # pragma: no cover - tensor_map and the model disagree
             raise ValueError(f"the model has no parameter for {sorted(missing)[:3]}")
     elif mesh is None:
         one = SingleDeviceSharding(jax.local_devices()[0])
-        shardings = {k: one for k in tmap}
+        shardings = {k: one for k in plan}
     elif params not in PARAMS_MODES:
         raise ValueError(f"params={params!r} must be one of {PARAMS_MODES}")
     else:
-        shapes = {k: jax.ShapeDtypeStruct(e.shape, jnp.dtype(cfg.param_dtype))
-                  for k, e in tmap.items()}
-        shardings = (fsdp_shardings(shapes, mesh, axis_name) if params == "fsdp"
-                     else replicated_shardings(shapes, mesh))
+        # nested, so that fsdp_shardings sees the "layers" key of stacked parameters
+        shapes = unflatten_dict({k: jax.ShapeDtypeStruct(p.shape, jnp.dtype(cfg.param_dtype))
+                                 for k, p in plan.items()})
+        shardings = flatten_dict(fsdp_shardings(shapes, mesh, axis_name) if params == "fsdp"
+                                 else replicated_shardings(shapes, mesh))
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
-    flat = {k: _load_tensor(tensors[e.hf_name], e, shardings[k], pdt) for k, e in tmap.items()}
+    flat = {k: _load_tensor([tensors[e.hf_name] for e in p.entries], p, shardings[k], pdt)
+            for k, p in plan.items()}
     return cfg, {"params": unflatten_dict(flat)}
 
 
@@ -306,6 +398,13 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+@jax.jit
+def _layer_of(x, i):
+    """``x[i]`` of a stacked parameter, on the devices that hold ``x`` (one layer's
+    slice: what ``_to_host`` then gathers, instead of the whole stack)."""
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
 def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
                     architecture: Optional[str] = None, extra_config: Optional[dict] = None
                     ) -> None:
@@ -313,8 +412,10 @@ def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
     ``from_pretrained`` loads (``model.safetensors``, or shards of at most
     ``max_shard_size`` with ``model.safetensors.index.json``).
 
-    ``params``: ``{"params": ...}`` or the inner tree, any sharding; each tensor is
-    gathered to the host on its own and written at once.  ``dtype``: the stored dtype
+    ``params``: ``{"params": ...}`` or the inner tree, any sharding, unrolled or scanned
+    (``models.stacking``: whichever ``params`` holds, whatever ``config.scan_layers``
+    says); each tensor is gathered to the host on its own and written at once -- of a
+    stacked parameter, one layer's slice at a time.  ``dtype``: the stored dtype
     (default ``config.param_dtype``).  ``architecture``: see ``LlamaConfig.to_hf``.
     ``extra_config``: more ``config.json`` fields (e.g. ``bos_token_id``,
     ``eos_token_id``).  Earlier ``model*.safetensors`` files and the index in ``path`` are
@@ -324,21 +425,27 @@ def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
     tree = params["params"] if isinstance(params, dict) and "params" in params else params
     flat = flatten_dict(tree)
     tmap = tensor_map(config)
+    plan = param_plan(config, scanned=stacking.is_scanned(tree))
     for key in flat:
-        if key not in tmap:
+        if key not in plan:
             raise ValueError(f"parameter {'/'.join(key)} is not a parameter of "
-                             f"Llama(config); check the config's biases / tie_embeddings")
-    for key, e in tmap.items():
+                             f"Llama(config); check the config's biases / tie_embeddings"
+                             + (" (a tree holds either layer_i or layers, not both)"
+                                if key[0] == LAYERS or _LAYER_KEY.match(key[0]) else ""))
+    for key, p in plan.items():
         if key not in flat:
-            raise ValueError(f"parameter {'/'.join(key)} ({e.hf_name}) is missing")
-        if tuple(flat[key].shape) != e.shape:
+            raise ValueError(f"parameter {'/'.join(key)} ({p.names}) is missing")
+        if tuple(flat[key].shape) != p.shape:
             raise ValueError(f"parameter {'/'.join(key)} has shape {tuple(flat[key].shape)}; "
-                             f"the config gives {e.shape}")
+                             f"the config gives {p.shape}"
+                             + (f" (num_layers={config.num_layers} stacked layers of "
+                                f"{p.entries[0].shape})" if p.stacked else ""))
     save_dt = np.dtype(jnp.dtype(dtype or config.param_dtype))
     hf = config_to_hf(config, architecture)
     hf["dtype"] = jnp.dtype(save_dt).name
     hf.update(extra_config or {})
-    by_name = {e.hf_name: (k, e) for k, e in tmap.items()}
+    by_name = {e.hf_name: (k, i if p.stacked else None, e)
+               for k, p in plan.items() for i, e in enumerate(p.entries)}
     sizes = [(e.hf_name, math.prod(e.hf_shape) * save_dt.itemsize) for e in tmap.values()]
     groups = plan_shards(sizes, parse_size(max_shard_size))
     files = ([WEIGHTS] if len(groups) == 1 else
@@ -352,13 +459,13 @@ def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
                 os.remove(old)
 
     def produce(name):
-        key, e = by_name[name]
-        x = _to_host(flat[key])
+        key, layer, e = by_name[name]
+        x = _to_host(flat[key] if layer is None else _layer_of(flat[key], layer))
         inverse = tuple(int(i) for i in np.argsort(e.perm))
         return np.ascontiguousarray(x.transpose(inverse).reshape(e.hf_shape).astype(save_dt))
 
     for file, group in zip(files, groups):
-        entries = [(n, save_dt, by_name[n][1].hf_shape) for n in group]
+        entries = [(n, save_dt, by_name[n][2].hf_shape) for n in group]
         if writer:
             write_file(os.path.join(path, file), entries, produce, {"format": "pt"})
         else:
@@ -375,5 +482,5 @@ def save_pretrained(config, params, path, *, max_shard_size="5GB", dtype=None,
     distributed.barrier("jax_seqpar.save_pretrained")  # the files exist for every process
 
 
-__all__ = ["ARCHITECTURES", "Entry", "checkpoint_tensors", "config_from_hf", "config_to_hf",
-           "load_pretrained", "save_pretrained", "tensor_map"]
+__all__ = ["ARCHITECTURES", "Entry", "Param", "checkpoint_tensors", "config_from_hf",
+           "config_to_hf", "load_pretrained", "param_plan", "save_pretrained", "tensor_map"]
