@@ -22,15 +22,32 @@ and activations, random weights and prompts; the KV cache sharded over ``--devic
     python benchmarks/generate.py --dry-run                      # CPU, tiny, 2 devices
     python benchmarks/generate.py --configs 7b:131072:1,7b:32768:8,1b:131072:1
     python benchmarks/generate.py --devices 4 --configs 7b:524288:1,1b:1048576:1,1b:524288:8
+    python benchmarks/generate.py --dry-run --scan-layers both   # unrolled vs stacked
 
 With several devices the same cache is also decoded with ``ring`` and ``allgather``
 (``--strategies``; ``generator_for(..., decode_strategy=)``: the step with the cache
 shards circulating, or gathered, instead of tree attention's two all-reduces).
+
+``--scan-layers`` builds the model with ``LlamaConfig(scan_layers=True)`` (the blocks'
+weights stacked along a leading layer axis; the same random numbers either way), and
+``--scan-layers both`` runs every configuration unrolled and then scanned (issue 39):
+the prefill of stacked weights is one ``lax.scan`` over the layers (compile time), the
+decode step reads static slices of them inside its ``while_loop``, which XLA may read
+in place, copy at every step or hoist out of the loop (a second copy of the weights).
+Each row has ``scan_layers``, the compile times, ms per token, and the temporary bytes
+of the compiled prefill and decode programs (``prefill_temp_bytes``,
+``decode_temp_bytes``: ``memory_analysis()``, per program, so comparable within one
+run; a copy of the weights made by the decode program shows there).  ``peak_bytes`` is
+the process's high-water mark so far: within one run it covers every earlier row too.
+
+    python benchmarks/generate.py --configs 7b:32768:1,1b:131072:1 --scan-layers both \
+        --strategies "" --no-baseline
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -40,11 +57,13 @@ import _setup  # noqa: F401
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.models.generate import LlamaParts, generator_for  # noqa: E402
+from jax_seqpar.models.stacking import layer_params, stack_layers  # noqa: E402
 from jax_seqpar.parallel.comm_time import Link  # noqa: E402
 from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from _util import env_info, out_dir, peak_memory_bytes, save_json  # noqa: E402
@@ -88,7 +107,7 @@ def dense_decoder(cfg: LlamaConfig, B: int, C: int, N: int):
                 vs[layer] = upd(vs[layer], v, pos)
                 mask = (jnp.arange(C)[None, :] <= pos[:, None])[:, None, None, :]
                 return jax.nn.dot_product_attention(q, ks[layer], vs[layer], mask=mask)
-            x = parts.block(p[f"layer_{layer}"], x, pos[:, None], attend)
+            x = parts.block(layer_params(p, layer), x, pos[:, None], attend)
         return parts.logits(p, x)[:, 0], tuple(ks), tuple(vs)
 
     def run(params, first, lengths, ks, vs):
@@ -126,24 +145,40 @@ def median_time(fn, repeats):
     return statistics.median(ts), ts
 
 
-def run_config(size, P_, B, a, mesh, rate, par=None):
+def temp_bytes(compiled):
+    """The temporary bytes of a compiled program (None where the backend does not say)."""
+    try:
+        return compiled.memory_analysis().temp_size_in_bytes
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_config(size, P_, B, a, mesh, rate, par=None, scan=None):
     """``par`` (a ``sharding.Parallelism`` of ``mesh``, from ``--mesh``): the N-D model,
     weights split over the tensor axis, prompts over the batch axes; None: the one-axis
-    model over ``mesh["sp"]``."""
+    model over ``mesh["sp"]``.  ``scan``: the model built with ``LlamaConfig(scan_layers=
+    True)`` and its weights stacked along a leading layer axis: the unrolled model's
+    numbers (``stacking.stack_layers``, inside the initialising program), so both forms
+    should give the same tokens.  None: ``a.scan_layers`` (a bool, or ``--scan-layers``'
+    ``"on"``)."""
+    if scan is None:
+        scan = getattr(a, "scan_layers", False)
+        scan = scan if isinstance(scan, bool) else scan == "on"
     G = mesh.devices.size
     dtype = "float32" if a.dry_run else "bfloat16"
-    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype=dtype)
+    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype=dtype, scan_layers=scan)
     model = Llama(cfg) if par is None else Llama(cfg, mesh=mesh, parallelism=par)
     N = a.new_tokens
     rep = NamedSharding(mesh, P())
-    params = jax.jit(Llama(cfg).init, out_shardings=rep)(jax.random.key(0),
-                                                          jnp.zeros((1, 8), jnp.int32))
+    unrolled = Llama(dataclasses.replace(cfg, scan_layers=False))
+    init = (lambda k, t: stack_layers(unrolled.init(k, t))) if scan else unrolled.init
+    params = jax.jit(init, out_shardings=rep)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     prompts = jax.random.randint(jax.random.key(1), (B, P_), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((B,), P_, jnp.int32)
     gen = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk)
     if par is not None:
         params = gen.replicate(params)  # split over the tensor axis as the model splits it
-    row = dict(size=size, prompt=P_, batch=B, devices=G, new_tokens=N,
+    row = dict(size=size, prompt=P_, batch=B, devices=G, new_tokens=N, scan_layers=scan,
                mesh=dict(mesh.shape) if par is not None else {"sp": G},
                cache_len=gen.plan.cache_len, prefill_chunk=gen.plan.chunk,
                prefill_passes=gen.plan.num_chunks)
@@ -151,6 +186,7 @@ def run_config(size, P_, B, a, mesh, rate, par=None):
     t0 = time.perf_counter()
     prefill = gen.prefill.lower(params, prompts, lengths).compile()
     row["prefill_compile_s"] = time.perf_counter() - t0
+    row["prefill_temp_bytes"] = temp_bytes(prefill)
     logits, cache = jax.block_until_ready(prefill(params, prompts, lengths))
     t0 = time.perf_counter()
     logits, cache = jax.block_until_ready(prefill(params, prompts, lengths))
@@ -162,8 +198,12 @@ def run_config(size, P_, B, a, mesh, rate, par=None):
     # ---- decode (the cache is donated and returned: reuse it)
     rng = jax.random.key(2)
     t0 = time.perf_counter()
+    params = jax.block_until_ready(gen.decode_params(params))  # as models.generate does
+    row["decode_params_s"] = time.perf_counter() - t0            # stacked blocks: unstacked
+    t0 = time.perf_counter()
     decode = gen.decode(None).lower(params, logits, lengths, cache, rng).compile()
     row["decode_compile_s"] = time.perf_counter() - t0
+    row["decode_temp_bytes"] = temp_bytes(decode)
     state = {"cache": cache}
 
     def one():
@@ -225,6 +265,8 @@ def run_config(size, P_, B, a, mesh, rate, par=None):
 
 
 def main(argv=None):
+    from jax_seqpar.runtime.compile_cache import add_compile_cache_args, compile_cache_from_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="7b:131072:1,7b:32768:8,1b:131072:1,1b:131072:8,"
                    "1b:32768:1,7b:32768:1",
@@ -247,7 +289,14 @@ def main(argv=None):
                         "the tensor axis, prompts over data x fsdp, the cache over the "
                         "sequence (and tensor heads); 'auto': sharding.choose_mesh per "
                         "configuration; default: the cache over every device")
+    p.add_argument("--scan-layers", nargs="?", const="on", default="off",
+                   choices=("off", "on", "both"),
+                   help="the model with LlamaConfig(scan_layers=True), its weights "
+                        "stacked (the same numbers); 'both': each configuration unrolled, "
+                        "then scanned, compared in one table")
+    add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
     a = p.parse_args(argv)
+    compile_cache_from_args(a)  # the same configurations again: prefill/decode not recompiled
     if a.dry_run:
         a.configs, a.new_tokens, a.repeats = "tiny:256:1,tiny:128:4", 6, 1
         a.devices = a.devices or 2
@@ -271,29 +320,35 @@ def main(argv=None):
           + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in rates.items()), flush=True)
     rows = []
     name = a.name or f"generate_{jax.default_backend()}{G}"
+    forms = {"off": (False,), "on": (True,), "both": (False, True)}[a.scan_layers]
     for spec in a.configs.split(","):
         if time.perf_counter() - t_start > a.budget_s:
             print(f"budget spent: skipping {spec}")
             continue
         size, P_, B = spec.split(":")
-        try:
-            if a.mesh == "auto":  # per configuration: choose_mesh's pick for its shapes
-                mesh, par = auto_mesh(size, int(P_), int(B), G)
-            row, _ = run_config(size, int(P_), int(B), a, mesh, rate, par)
-        except Exception as e:  # noqa: BLE001  (out of memory at one size: report, go on)
-            row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
-                       error=f"{type(e).__name__}: {str(e)[:300]}")
-        rows.append(row)
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-               if k != "decode_runs_s"}, flush=True)
-        save_json(dict(env=env_info(), hbm_rates=rates, hbm_rate_used=rate, rows=rows),
-                  os.path.join(out_dir(), f"{name}.json"))
-        jax.clear_caches()
+        tokens = {}
+        for scan in forms:
+            try:
+                if a.mesh == "auto":  # per configuration: choose_mesh's pick for its shapes
+                    mesh, par = auto_mesh(size, int(P_), int(B), G)
+                row, out = run_config(size, int(P_), int(B), a, mesh, rate, par, scan)
+                tokens[scan] = np.asarray(out)
+                if scan and False in tokens:   # the same numbers: the same greedy tokens?
+                    row["tokens_equal_unrolled"] = bool(np.array_equal(out, tokens[False]))
+            except Exception as e:  # noqa: BLE001  (out of memory at one size: go on)
+                row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
+                           scan_layers=scan, error=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                   if k != "decode_runs_s"}, flush=True)
+            save_json(dict(env=env_info(), hbm_rates=rates, hbm_rate_used=rate, rows=rows),
+                      os.path.join(out_dir(), f"{name}.json"))
+            jax.clear_caches()
     print(f"\n{'config':>16} {'prefill tok/s':>13} {'MFU':>6} {'decode ms/tok':>13} "
           f"{'floor ms':>9} {'of floor':>8} {'dense ms':>9} {'x dense':>7} "
           + " ".join(f"{s + ' ms':>13}" for s in a.strategies))
     for r in rows:
-        tag = f"{r['size']}:{r['prompt']}:{r['batch']}"
+        tag = f"{r['size']}:{r['prompt']}:{r['batch']}" + ("+scan" if r["scan_layers"] else "")
         if "error" in r:
             print(f"{tag:>16} {r['error'][:90]}")
             continue
@@ -303,7 +358,28 @@ def main(argv=None):
               f"{r.get('speedup_vs_dense', math.nan):7.2f} "
               + " ".join(f"{r.get(s + '_decode_ms_per_token', math.nan):13.3f}"
                          for s in a.strategies))
+    if len(forms) > 1:
+        print_scan_comparison(rows)
     return 0
+
+
+def print_scan_comparison(rows):
+    """``--scan-layers both``: per configuration, the stacked weights against the unrolled
+    ones (compile seconds, decode ms per token, the programs' temporary bytes)."""
+    def mib(x):
+        return math.nan if x is None else x / 2**20
+    print(f"\n{'config':>16} {'form':>8} {'prefill comp s':>14} {'decode comp s':>13} "
+          f"{'decode ms/tok':>13} {'prefill tmp MiB':>15} {'decode tmp MiB':>14} "
+          f"{'peak MiB':>9} {'same tokens':>11}")
+    for r in rows:
+        if "error" in r:
+            continue
+        tag = f"{r['size']}:{r['prompt']}:{r['batch']}"
+        print(f"{tag:>16} {'scanned' if r['scan_layers'] else 'unrolled':>8}"
+              f" {r['prefill_compile_s']:14.1f} {r['decode_compile_s']:13.1f}"
+              f" {r['decode_ms_per_token']:13.3f} {mib(r['prefill_temp_bytes']):15.1f}"
+              f" {mib(r['decode_temp_bytes']):14.1f} {mib(r['peak_bytes']):9.0f}"
+              f" {str(r.get('tokens_equal_unrolled', '')):>11}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,13 @@
   (``tests/fixtures/hf``, written by transformers; no torch here);
 * the compiled decode step communicates one ``pmax`` and one ``psum`` per layer, with the
   bytes of Tree Attention Eq. 10-14, and no collective-permute / all-gather;
+* stacked blocks (``LlamaConfig(scan_layers=True)``, the same numbers): the same tokens on
+  one device and on 8; their prefill holds one block (one layer's ring collectives) and
+  no second copy of the cache, which stays one array per layer;
 * sampling, ``eos_id``, ``callback`` and every bad argument.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -24,6 +28,7 @@ from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.generate import CACHE_ALIGN, generate, generator_for, make_plan
 from jax_seqpar.models.hf import load_pretrained
 from jax_seqpar.models.sampling import sample_logits, top_k_mask, top_p_mask
+from jax_seqpar.models.stacking import stack_layers
 
 CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
@@ -67,6 +72,46 @@ def test_eight_devices_equal_one_device_and_the_plain_model():
     b = 1  # the shortest row, beyond its prompt the padding is someone else's tokens
     want = greedy_reference(model, params, toks[b, :LENGTHS[b]], 7)
     np.testing.assert_array_equal(np.asarray(one)[b], want)
+
+
+def test_stacked_parameters_give_the_same_tokens():
+    """The scanned model with the unrolled model's numbers stacked: the same greedy tokens
+    on one device and on 8 in three prefill passes (the layer scan's ring pass and its
+    passes against the cache)."""
+    model, params, toks = tiny()
+    one = generate(model, params, toks, max_new_tokens=7, prompt_lengths=LENGTHS)
+    scanned = Llama(dataclasses.replace(CFG, scan_layers=True))
+    stacked = stack_layers(params)
+    for kw in ({}, dict(mesh=mesh(8), prefill_chunk=16)):
+        out = generate(scanned, stacked, toks, max_new_tokens=7, prompt_lengths=LENGTHS, **kw)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(one), str(kw))
+    with pytest.raises(ValueError, match="params hold 2 decoder blocks but the model's "
+                                         "config has num_layers=3"):
+        generate(Llama(dataclasses.replace(CFG, num_layers=3)), stacked, toks,
+                 max_new_tokens=2)
+
+
+def test_stacked_prefill_holds_one_block_and_one_cache_array_per_layer():
+    """The prefill of 4 stacked blocks on 2 devices: one layer's ring permutes in its
+    program (the unrolled one has 4 layers'), the cache comes out as 4 arrays per kind,
+    and the program's temporary memory exceeds the unrolled one's by less than half the
+    cache (one layer's pair and the prompt's rows, not a copy of the whole cache)."""
+    cfg = dataclasses.replace(CFG, num_layers=4)
+    B, W = 2, 64
+    toks, lengths = jnp.zeros((B, W), jnp.int32), jnp.full((B,), W, jnp.int32)
+    params = jax.jit(Llama(cfg).init)(jax.random.key(0), toks)
+    gen = generator_for(Llama(dataclasses.replace(cfg, scan_layers=True)), (B, W), 8,
+                        mesh=mesh(2), cache_len=1024)
+    lowered = {name: gen.prefill.lower(p, toks, lengths)
+               for name, p in (("unrolled", params), ("stacked", stack_layers(params)))}
+    permutes = {k: lo.as_text().count("collective_permute") for k, lo in lowered.items()}
+    assert permutes["stacked"] > 0 and permutes["unrolled"] == 4 * permutes["stacked"]
+    _, cache = jax.eval_shape(gen.prefill, stack_layers(params), toks, lengths)
+    assert [len(kind) for kind in cache] == [4, 4]
+    assert {x.shape for x in jax.tree.leaves(cache)} == {(B, 1024, 2, CFG.head_dim)}
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    temp = {k: lo.compile().memory_analysis().temp_size_in_bytes for k, lo in lowered.items()}
+    assert temp["stacked"] - temp["unrolled"] < cache_bytes / 2, (temp, cache_bytes)
 
 
 def test_hf_reference_checkpoints_generate_like_transformers():

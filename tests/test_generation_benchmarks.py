@@ -1,6 +1,7 @@
 """The generation benchmarks run end to end on CPU at tiny sizes (their GPU runs are in
 benchmarks/RESULTS.md): ``benchmarks/generate.py`` (prefill, and decode against
-the memory floor; its ring / all-gather baselines are ``test_generate.py``'s) and ``benchmarks/needle.py`` on an exported
+the memory floor, unrolled and scanned weights; its ring / all-gather baselines are
+``test_generate.py``'s) and ``benchmarks/needle.py`` on an exported
 retrieval model (``examples/train_long_context.py --export`` writes the same files)."""
 
 import json
@@ -21,11 +22,17 @@ def test_generate_benchmark_tiny(tmp_path, monkeypatch):
     import generate as bench
     monkeypatch.setenv("OUT", str(tmp_path))
     assert bench.main(["--configs", "tiny:32:2", "--devices", "1", "--new-tokens", "3",
-                       "--repeats", "1", "--strategies", "", "--no-baseline", "--name", "g"]) == 0
-    row = json.load(open(tmp_path / "g.json"))["rows"][0]
-    assert "error" not in row, row
-    assert row["decode_ms_per_token"] > 0 and row["fraction_of_floor"] > 0
-    assert row["cache_len"] >= 34 and row["prefill_passes"] == 1
+                       "--repeats", "1", "--strategies", "", "--no-baseline", "--name", "g",
+                       "--scan-layers", "both"]) == 0
+    rows = json.load(open(tmp_path / "g.json"))["rows"]
+    assert [r.get("scan_layers") for r in rows] == [False, True], rows
+    for row in rows:
+        assert "error" not in row, row
+        assert row["decode_ms_per_token"] > 0 and row["fraction_of_floor"] > 0
+        assert row["cache_len"] >= 34 and row["prefill_passes"] == 1
+        assert row["decode_temp_bytes"] is not None and row["prefill_temp_bytes"] > 0
+    # the stacked weights are the unrolled model's numbers: the same greedy tokens
+    assert rows[1]["tokens_equal_unrolled"] is True
 
 
 def test_needle_benchmark_on_an_exported_recall_model(tmp_path, monkeypatch):

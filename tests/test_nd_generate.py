@@ -15,9 +15,14 @@
   one-device tokens, attention weights whole and the MLP / vocabulary split, the cache
   ``P(None, ("sequence", "tensor"), None, None)`` (its length over both axes, heads
   whole), and the decode step's tree reduction over both axes as one collective, to the
-  byte.
+  byte;
+* stacked blocks (``LlamaConfig(scan_layers=True)``, the same numbers) on tensor 2 x
+  sequence 4, with the heads split and with them whole: the one-device tokens, the
+  stacked weights split over the tensor axis with their layer axis whole (the layer
+  index itself is ``test_generate.py``'s, with two blocks).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.generate import generate, generator_for
+from jax_seqpar.models.stacking import stack_layers
 from jax_seqpar.runtime.comm import collective_bytes, op_axes
 from jax_seqpar.sharding.parallelism import make_mesh
 
@@ -36,6 +42,9 @@ CFG = LlamaConfig(vocab_size=128, d_model=64, num_layers=1, num_heads=4, num_kv_
 BIAS_CFG = LlamaConfig(vocab_size=128, d_model=64, num_layers=1, num_heads=4,
                        num_kv_heads=2, attention_bias=True, attention_out_bias=True,
                        mlp_bias=True, tie_embeddings=True)
+#: SmolLM2's 9 query / 3 kv heads: a tensor axis of 2 cannot split them
+WHOLE_HEADS = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9,
+                          num_kv_heads=3, ffn_dim=96)
 B, WIDTH, N = 4, 24, 6
 LENGTHS = np.array([24, 7, 17, 12])
 
@@ -56,7 +65,7 @@ MORE_MESHES = {
 @functools.lru_cache(maxsize=None)
 def setup(cfg=CFG):
     """Parameters (biases made nonzero), ragged prompts and the one-device tokens."""
-    params = Llama(cfg).init(jax.random.key(0), jnp.zeros((B, WIDTH), jnp.int32))
+    params = jax.jit(Llama(cfg).init)(jax.random.key(0), jnp.zeros((B, WIDTH), jnp.int32))
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(5), x.shape),
                           params)
     toks = np.asarray(jax.random.randint(jax.random.key(1), (B, WIDTH), 0, cfg.vocab_size))
@@ -207,8 +216,7 @@ def test_heads_the_tensor_axis_cannot_split():
     over sequence x tensor (8 stripes, 3 whole kv heads each), the attention weights are
     whole while the MLP and the vocabulary stay split, and the decode step's bytes match
     ``rows_decode_step_bytes`` to the byte."""
-    cfg = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv_heads=3,
-                      ffn_dim=96)
+    cfg = WHOLE_HEADS
     params, toks, one = setup(cfg)
     mesh, par = make_mesh(dict(tensor=2, sequence=4))
     model = Llama(cfg, mesh=mesh, parallelism=par)
@@ -253,3 +261,30 @@ def test_heads_the_tensor_axis_cannot_split():
     assert kinds == sorted([(str(("sequence", "tensor")), "all-reduce")] * 2 * L
                            + [("tensor", "all-reduce")] * (L + 1)
                            + [("tensor", "all-gather")]), kinds
+
+
+@pytest.mark.parametrize("cfg", [CFG, WHOLE_HEADS], ids=["heads_split", "heads_whole"])
+def test_stacked_parameters_on_a_tensor_axis(cfg):
+    """The scanned model with the unrolled model's numbers stacked, on tensor 2 x sequence
+    4 in three prefill passes: the one-device tokens; the stacked weights carry the
+    unrolled splits behind a whole layer axis, and the same generator places unrolled
+    parameters as the unrolled model does."""
+    params, toks, one = setup(cfg)
+    mesh, par = make_mesh(dict(tensor=2, sequence=4))
+    model = Llama(dataclasses.replace(cfg, scan_layers=True), mesh=mesh, parallelism=par)
+    stacked = stack_layers(params)
+    out = generate(model, stacked, toks, max_new_tokens=N, prompt_lengths=LENGTHS,
+                   prefill_chunk=8)
+    np.testing.assert_array_equal(np.asarray(out), one)
+
+    gen = generator_for(model, (B, WIDTH), N, max_prompt_len=int(LENGTHS.max()),
+                        prefill_chunk=8)
+    layers = gen.replicate(stacked)["params"]["layers"]
+    q = "tensor" if model.heads_split else None
+    assert full_spec(layers["attn"]["q_proj"]["kernel"].sharding.spec, 4) == (None, None, q,
+                                                                              None)
+    assert full_spec(layers["mlp"]["down_proj"]["kernel"].sharding.spec, 3) == (None,
+                                                                                "tensor", None)
+    unrolled = gen.param_partition_specs(params)["params"]["layer_0"]
+    assert full_spec(unrolled["attn"]["q_proj"]["kernel"], 3) == (None, q, None)
+    assert full_spec(unrolled["mlp"]["down_proj"]["kernel"], 2) == ("tensor", None)

@@ -5,18 +5,23 @@ prefill passes and one decode step, inside ``shard_map``.
 (ring attention, then tree attention's gathered-query form against the cache) and
 ``_decode_local`` one token per row (the new key/value into the shard that owns it, then
 ``parallel.tree_attention``, or a baseline).  ``models/generate.py``'s module docstring
-says why each is so; ``Generator`` there wraps these into the compiled programs.
+says why each is so; ``Generator`` there wraps these into the compiled programs.  Both
+take the parameters in either form (``models.stacking``): blocks ``layer_0`` ... or
+stacked along a leading layer axis (``LlamaConfig.scan_layers``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.layouts import permutation
+from jax_seqpar.models.llama import LAYERS
+from jax_seqpar.models.stacking import is_scanned, layer_params
 from jax_seqpar.models.tensor_split import TensorSplit
 from jax_seqpar.parallel.common import make_config, ring_shift
 from jax_seqpar.parallel.merge import merge
@@ -125,11 +130,35 @@ def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, 
     logits ``[b, V]`` after each row's last prompt token and this device's cache shards
     (``[b, cache_len / G, Hc / T, D]`` each).  ``axis``: the attention's axes, ``G``
     devices (with ``tp.heads`` False the sequence and tensor axes together; the cache
-    shards are then ``[b, cache_len / G, Hkv, D]``)."""
+    shards are then ``[b, cache_len / G, Hkv, D]``).
+
+    The loops, by the parameters' form (``models.stacking``):
+
+    * **unrolled** (``layer_0`` ...): pass-major -- for each prefill pass (the first in
+      Python, the others in a ``fori_loop``) the ``L`` blocks in a Python loop, each
+      writing its keys/values into its own cache array.  Live: one pass's rows.
+    * **stacked** (``layers``, ``LlamaConfig.scan_layers``): layer-major -- one
+      ``lax.scan`` over the layers (the program holds one block, whatever the depth:
+      the 7B prefill compiled for 150 s unrolled), whose body runs every pass of its
+      layer (a layer's pass reads only that layer's cache, so the order of the two loops
+      is free) on the residual stream of the whole prompt, kept between layers.  The
+      layer's keys/values are written into a fresh ``[b, cache_len / G, Hc / T, D]``
+      pair, which a ``lax.switch`` on the layer index (``L`` branches of one copy each)
+      stores into that layer's own array of the carried tuple: the cache stays one
+      array per layer, as decoding needs.  A scan's stacked output would be one
+      ``[L, ...]`` buffer, and splitting it into per-layer arrays copies the whole cache
+      (XLA cannot hand out parts of a buffer as separate arrays); a switch of a tuple of
+      loop-carried arrays updates them in place.  Cost against the unrolled loop: one
+      layer's cache pair and the prompt's residual stream (``[b, P_pad / G, d]``) live
+      at once, and one extra write of each layer's cache shard (the copy into its
+      array); each layer's weights are a dynamic slice of the stack (read in place or
+      copied, one layer at a time).
+    """
     p = _params(params)
     parts = tp.local_parts(p)
     c = parts.config                     # this device's heads (the whole model's without T)
-    G, cl = plan.num_shards, plan.chunk // plan.num_shards
+    G, cl, n = plan.num_shards, plan.chunk // plan.num_shards, plan.num_chunks
+    L = c.num_layers
     B = tokens.shape[0]
     slots = plan.cache_len // G
     idx = lax.axis_index(axis)
@@ -137,46 +166,93 @@ def _prefill_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, params, 
     kv_pos = (jnp.arange(slots, dtype=jnp.int32) * G + idx).astype(jnp.int32)
     chunk_perm = jnp.asarray(permutation("striped", plan.chunk, G), jnp.int32)
     zeros = jnp.zeros((B, slots, c.num_kv_heads, c.head_dim), dt)
-    cache = (tuple(zeros for _ in range(c.num_layers)),
-             tuple(zeros for _ in range(c.num_layers)))
 
-    def cfg_for(q, k):
-        return make_config(q, k, axis_name=axis, causal=True, window=c.window,
-                           segment_ids=None, scale=None, layout="striped", backward="kv",
-                           kernel=kernel)
-
-    def run_chunk(i, cache, h_last, first: bool):
-        ks, vs = list(cache[0]), list(cache[1])
+    def block_pass(lp, x, i, kc, vc, first: bool):
+        """One block (parameters ``lp``) on pass ``i``'s rows ``x`` ``[b, cl, d]``: their
+        keys/values written into the layer's cache shards ``kc``, ``vc`` at the pass's
+        slots, then attention -- ring attention over the pass's own tokens (``first``),
+        else the gathered queries against the layer's cache.  ``-> (x, kc, vc)``."""
         start = i * cl
-        toks = lax.dynamic_slice_in_dim(tokens, start, cl, axis=1)
-        pos = ((start + jnp.arange(cl)) * G + idx).astype(jnp.int32)   # [cl]
-        x = tp.embed(parts, p, toks, own_rows=tp.rows_split)
-        for layer in range(c.num_layers):
-            def attend(q, k, v, layer=layer):
-                ks[layer] = lax.dynamic_update_slice_in_dim(ks[layer], k, start, axis=1)
-                vs[layer] = lax.dynamic_update_slice_in_dim(vs[layer], v, start, axis=1)
-                cfg = cfg_for(q, k)
-                if first:          # the pass's own tokens: ring attention
-                    return ring_attention_with_config(cfg, q, k, v)
-                q_pos_all = i * plan.chunk + chunk_perm
-                o, _ = gathered_query_attention(cfg, q, ks[layer], vs[layer], q_pos_all,
-                                                kv_pos)
-                return o
-            x = tp.block(parts, p[f"layer_{layer}"], x, pos, attend,
-                         own_rows=tp.rows_split)
-        own = (last_pos % G == idx) & (last_pos // plan.chunk == i)
-        j = jnp.clip(last_pos // G - start, 0, cl - 1)
-        h = x[jnp.arange(B), j].astype(F32)                            # [B, d]
-        h_last = jnp.where(own[:, None], h, h_last)
-        return (tuple(ks), tuple(vs)), h_last
+        pos = ((start + jnp.arange(cl)) * G + idx).astype(jnp.int32)     # [cl]
+        written = []
+
+        def attend(q, k, v):
+            kw = lax.dynamic_update_slice_in_dim(kc, k, start, axis=1)
+            vw = lax.dynamic_update_slice_in_dim(vc, v, start, axis=1)
+            written.append((kw, vw))
+            cfg = make_config(q, k, axis_name=axis, causal=True, window=c.window,
+                              segment_ids=None, scale=None, layout="striped",
+                              backward="kv", kernel=kernel)
+            if first:
+                return ring_attention_with_config(cfg, q, k, v)
+            o, _ = gathered_query_attention(cfg, q, kw, vw, i * plan.chunk + chunk_perm,
+                                            kv_pos)
+            return o
+        x = tp.block(parts, lp, x, pos, attend, own_rows=tp.rows_split)
+        return (x,) + written[0]
+
+    def last_rows(x, first_row, h_last):
+        """``h_last`` with each row's last prompt position taken from ``x`` (local slots
+        ``first_row ..``) where this device holds it there."""
+        r = last_pos // G - first_row
+        own = (last_pos % G == idx) & (r >= 0) & (r < x.shape[1])
+        h = x[jnp.arange(B), jnp.clip(r, 0, x.shape[1] - 1)].astype(F32)  # [B, d]
+        return jnp.where(own[:, None], h, h_last)
 
     h_last = jnp.zeros((B, c.d_model), F32)
-    cache, h_last = run_chunk(0, cache, h_last, first=True)
-    if plan.num_chunks > 1:
-        cache, h_last = lax.fori_loop(
-            1, plan.num_chunks, lambda i, s: run_chunk(i, *s, first=False), (cache, h_last))
+    cache = (tuple(zeros for _ in range(L)), tuple(zeros for _ in range(L)))
+    if is_scanned(p):
+        cache, h_last = _prefill_layer_major(tp, parts, p, tokens, cl, n, cache,
+                                             block_pass, last_rows, h_last)
+    else:
+        def run_pass(i, cache, h_last, first: bool):
+            ks, vs = list(cache[0]), list(cache[1])
+            toks = lax.dynamic_slice_in_dim(tokens, i * cl, cl, axis=1)
+            x = tp.embed(parts, p, toks, own_rows=tp.rows_split)
+            for layer in range(L):
+                x, ks[layer], vs[layer] = block_pass(layer_params(p, layer), x, i, ks[layer],
+                                                     vs[layer], first)
+            return (tuple(ks), tuple(vs)), last_rows(x, i * cl, h_last)
+
+        cache, h_last = run_pass(0, cache, h_last, first=True)
+        if n > 1:
+            cache, h_last = lax.fori_loop(
+                1, n, lambda i, s: run_pass(i, *s, first=False), (cache, h_last))
     h_last = lax.psum(h_last, axis)       # one device holds each row's: exact
     return tp.logits(parts, p, h_last.astype(dt)[:, None])[:, 0], cache
+
+
+def _prefill_layer_major(tp: TensorSplit, parts, p, tokens, cl, n, cache, block_pass,
+                         last_rows, h_last):
+    """``_prefill_local``'s loops over stacked blocks: one ``lax.scan`` over the layers,
+    every pass of a layer inside it, each layer's cache stored into its own array by a
+    ``lax.switch`` (``_prefill_local``'s docstring says why)."""
+    L = parts.config.num_layers
+    x = tp.embed(parts, p, tokens, own_rows=tp.rows_split)              # [b, P_pad / G, d]
+
+    def store(j, ks, vs, kc, vc):       # layer j's shards into the j-th arrays
+        return ks[:j] + (kc,) + ks[j + 1:], vs[:j] + (vc,) + vs[j + 1:]
+
+    def one_layer(carry, xs):
+        x, ks, vs = carry
+        lp, layer = xs
+        fresh = jnp.zeros_like(ks[0])
+        out, kc, vc = block_pass(lp, x[:, :cl], 0, fresh, fresh, first=True)
+        x = lax.dynamic_update_slice_in_dim(x, out, 0, axis=1)
+        if n > 1:
+            def later(i, s):
+                x, kc, vc = s
+                out, kc, vc = block_pass(lp, lax.dynamic_slice_in_dim(x, i * cl, cl, axis=1),
+                                         i, kc, vc, first=False)
+                return lax.dynamic_update_slice_in_dim(x, out, i * cl, axis=1), kc, vc
+            x, kc, vc = lax.fori_loop(1, n, later, (x, kc, vc))
+        ks, vs = lax.switch(layer, [functools.partial(store, j) for j in range(L)],
+                            ks, vs, kc, vc)
+        return (x, ks, vs), None
+
+    (x, ks, vs), _ = lax.scan(one_layer, (x, *cache),
+                              (p[LAYERS], jnp.arange(L, dtype=jnp.int32)))
+    return (ks, vs), last_rows(x, 0, h_last)
 
 
 DECODE_STRATEGIES = ("tree", "ring", "allgather")
@@ -214,7 +290,16 @@ def _decode_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, strategy,
     replicated over the sequence and tensor axes) -> logits ``[b, V]`` (the same) and the
     cache shards with the new keys/values written.  ``axis``: the attention's axes (with
     ``tp.heads`` False the sequence and tensor axes together: the query rows, replicated
-    over both, attend to the cache split over both)."""
+    over both, attend to the cache split over both).
+
+    The layers are a Python loop, one cache array each, in both parameter forms; stacked
+    weights are read as static slices ``w[layer]`` (``stacking.layer_params``).  Whether
+    XLA reads those slices in place inside the decode ``while_loop``, copies them at
+    every step or hoists them out of the loop (a second copy of the weights) is for a
+    GPU to say: ``benchmarks/generate.py --scan-layers both`` times both forms and
+    reports each decode program's temporary bytes.  (XLA:CPU, JAX 0.11.2, copies every
+    layer's slice at every step: the decode program's temporaries grow by about the
+    blocks' weights, against none for the unrolled form.)"""
     p = _params(params)
     parts = tp.local_parts(p)
     c = parts.config
@@ -241,5 +326,5 @@ def _decode_local(tp: TensorSplit, plan: GenerationPlan, axis, kernel, strategy,
                               backward="kv", kernel=kernel)
             return _cache_attention(strategy, cfg, axis, G, q, ks[layer], vs[layer],
                                     pos[:, None], shard_positions)
-        x = tp.block(parts, p[f"layer_{layer}"], x, pos[:, None], attend)
+        x = tp.block(parts, layer_params(p, layer), x, pos[:, None], attend)
     return tp.logits(parts, p, x)[:, 0], (tuple(ks), tuple(vs))

@@ -15,8 +15,19 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.models.llama import LlamaConfig, LlamaParts
+from jax_seqpar.models.llama import LAYERS, LlamaConfig, LlamaParts
+from jax_seqpar.models.stacking import is_scanned, layer_key
 from jax_seqpar.sharding.specs import AxisRole
+
+
+def _block_shape(p, *keys) -> tuple:
+    """The local shape of one block's leaf ``keys`` (the first block's; every block's is
+    the same), without the layer axis of stacked parameters and without reading them."""
+    scanned = is_scanned(p)
+    leaf = p[LAYERS] if scanned else p[layer_key(0)]
+    for k in keys:
+        leaf = leaf[k]
+    return tuple(leaf.shape[1:] if scanned else leaf.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +40,9 @@ class TensorSplit:
     ``LlamaParts``' own); ``size``: their devices ``T``; ``repeats``: how often each kv
     head is repeated (``sharding.specs.kv_head_repeats``).  Which weights are split is
     read from their local shapes: a dimension the tensor axes split is ``1 / T`` of the
-    config's, one they leave whole is the config's.
+    config's, one they leave whole is the config's.  The parameters may hold the blocks
+    in either form (``models.stacking``): ``block`` gets one block's subtree, however
+    the caller read it.
 
     ``heads=False`` (``Llama.heads_split`` is False: the tensor axes do not divide the
     query heads): attention is whole on every device (all heads, its weights whole, no
@@ -69,15 +82,15 @@ class TensorSplit:
             raise ValueError(f"the embedding ({vocab} rows here) and the LM head "
                              f"({p['lm_head']['kernel'].shape[1]} columns) must split the "
                              f"vocabulary alike over the tensor axes")
-        mlp = p["layer_0"]["mlp"]["gate_proj"]["kernel"].shape[1]
+        mlp = _block_shape(p, "mlp", "gate_proj", "kernel")[1]
         if vocab not in (c.vocab_size, c.vocab_size // T) or mlp not in (c.ffn_dim,
                                                                          c.ffn_dim // T):
             raise ValueError(f"parameters split neither whole nor 1/{T} over the tensor "
                              f"axes {self.axis!r}: vocabulary {vocab} of {c.vocab_size}, "
                              f"MLP {mlp} of {c.ffn_dim}")
         if not self.heads:        # attention whole on every device, its o bias included
-            a = p["layer_0"]["attn"]
-            heads = (a["q_proj"]["kernel"].shape[1], a["k_proj"]["kernel"].shape[1])
+            heads = (_block_shape(p, "attn", "q_proj", "kernel")[1],
+                     _block_shape(p, "attn", "k_proj", "kernel")[1])
             if heads != (c.num_heads, c.num_kv_heads):
                 raise ValueError(f"with heads whole on the tensor axes {self.axis!r} the "
                                  f"q / k projections must be whole: {heads} heads here, "
