@@ -35,9 +35,10 @@ document-aware attention issue), so packed MFU below unpacked MFU is that waste.
 comma-separated, each a ``jax_seqpar.layers.remat.REMAT_MODES`` name, ``+offload`` appended to
 move what that policy saves (and each block's input) to host memory until the backward
 (``LlamaConfig.remat_offload``); every entry is one row.  ``--memory-account`` prints,
-per row, what the state, the gradients and the saved residuals take (counted from the
-shapes) next to XLA's own account of the compiled step (``memory_analysis()``: arguments,
-outputs, aliased, temporaries; one extra compilation) and the measured peak.
+per row, what the state (and one layer's parameters, on a device and gathered, in
+either form), the gradients and the saved residuals take (counted from the shapes) next
+to XLA's own account of the compiled step (``memory_analysis()``: arguments, outputs,
+aliased, temporaries; one extra compilation) and the measured peak.
 ``--opt-memory pinned_host`` keeps the AdamW state in host memory between steps
 (``abstract_train_state(opt_memory=...)``).  ``--profile DIR`` traces one more step per row (``_profile.py``: kernel time by
 category, GPU idle time).  Host memory: the process's peak RSS.  The GPU memory pool is
@@ -51,6 +52,14 @@ environment says otherwise.
     python benchmarks/train_mfu.py --preset gpu --sizes 7b --devices 1 --tokens-per-gpu 32768 \
         --remat attention,attention_mlp,attention_mlp+offload --memory-account
     python benchmarks/train_mfu.py --preset cpu --mesh "none;data=2,sequence=2,tensor=2"
+    python benchmarks/train_mfu.py --preset cpu --scan-layers --memory-account
+
+``--scan-layers``: the blocks as one ``nn.scan`` over stacked parameters
+(``LlamaConfig(scan_layers=True)``; the JSON gets ``_scan`` in its name).  Compiled steps
+are kept in JAX's persistent compilation cache (``runtime.compile_cache``:
+``--compile-cache DIR``, default ``~/.cache/jax_seqpar/xla`` but off on several CPU
+devices; ``--no-compile-cache`` to time the compilation itself: ``first_step_s``
+includes it only when it is not cached).
 
 **N-D meshes** (issue 38): ``--mesh`` takes ``;``-separated meshes, one row each:
 ``none`` (the one-axis model), ``data=..,fsdp=..,sequence=..,tensor=..`` (role sizes,
@@ -85,6 +94,11 @@ from jax_seqpar.parallel.comm_time import Link  # noqa: E402
 from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from jax_seqpar.sharding.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
+from jax_seqpar.models.llama import LAYERS  # noqa: E402
+from jax_seqpar.models.stacking import is_scanned, layer_key, num_layers  # noqa: E402
+from jax_seqpar.runtime.compile_cache import (add_compile_cache_args,  # noqa: E402
+                                              compile_cache_from_args, compile_cache_stats,
+                                              compile_cache_summary)
 from jax_seqpar.layers.remat import REMAT_MODES  # noqa: E402
 from jax_seqpar.training import (OPT_MEMORY, abstract_train_state,  # noqa: E402
                                  init_train_state, make_train_step, shardings_of)
@@ -167,8 +181,10 @@ def matmul_rate(n=8192):
 
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
-          lr=1e-4, seed=0, packed=None, opt_memory="device", mesh_sizes=None):
-    """``(step, state, batches, cfg, state_bytes, lengths)``; ``step(state, batch)`` ->
+          lr=1e-4, seed=0, packed=None, opt_memory="device", mesh_sizes=None,
+          scan_layers=False):
+    """``(step, state, batches, cfg, (state_bytes, params_bytes, per_layer), lengths)``
+    (``per_layer``: ``layer_param_bytes``); ``step(state, batch)`` ->
     ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
     donated and kept on the shardings of ``params_mode``, created in place by
     ``init_train_state``).  ``batches``: ``{"unpacked": {"tokens"}}``, and with ``packed``
@@ -182,7 +198,7 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     devs = jax.devices()[:G]
     mode, offload = parse_remat(remat)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=mode,
-                      remat_offload=offload)
+                      remat_offload=offload, scan_layers=scan_layers)
     if mesh_sizes is None:
         mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
         model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
@@ -216,7 +232,23 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     params_bytes = bytes_per_device(abstract.params, shardings_of(abstract.params))
     state_bytes = params_bytes + bytes_per_device(abstract.opt_state,
                                                   shardings_of(abstract.opt_state))
-    return step, state, batches, cfg, (state_bytes, params_bytes), lengths
+    per_layer = layer_param_bytes(abstract.params)
+    return step, state, batches, cfg, (state_bytes, params_bytes, per_layer), lengths
+
+
+def layer_param_bytes(params) -> tuple:
+    """``(on one device, whole)``: the bytes of one decoder block's parameters, from
+    ``ShapeDtypeStruct``s with shardings (``abstract_train_state``) in either form: the
+    unrolled ``layer_0`` subtree, or the stacked ``layers`` subtree (every leaf
+    ``[L, ...]``, the layer axis never split) divided by ``L``.  ``whole`` is what a
+    device holds of a block while FSDP has gathered it."""
+    inner = params["params"]
+    n = num_layers(params)
+    block, per = (inner[LAYERS], n) if is_scanned(params) else (inner[layer_key(0)], 1)
+    local = bytes_per_device(block, shardings_of(block))
+    whole = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(block))
+    return local // per, whole // per
 
 
 def mesh_label(sizes) -> str:
@@ -275,12 +307,16 @@ def residual_bytes(cfg: LlamaConfig, tokens: int) -> dict:
 
 
 def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes,
-                   opt_memory="device") -> dict:
-    """The counted account (GiB per device) and XLA's account of the compiled step."""
+                   opt_memory="device", layer_bytes=None) -> dict:
+    """The counted account (GiB per device) and XLA's account of the compiled step.
+    ``layer_bytes``: ``layer_param_bytes`` (one block's parameters, either form)."""
     gib = 2 ** 30
     per = residual_bytes(cfg, S // G)
     where = "host" if cfg.remat_offload else "device"
     acc = dict(params=params_bytes / gib, optimizer_state=(state_bytes - params_bytes) / gib,
+               scan_layers=cfg.scan_layers,
+               params_per_layer=None if layer_bytes is None else layer_bytes[0] / gib,
+               params_per_layer_gathered=None if layer_bytes is None else layer_bytes[1] / gib,
                optimizer_state_where="host" if opt_memory != "device" else "device",
                gradients_if_all_live=params_bytes / gib, residuals_where=where,
                residuals_per_layer={k: v / gib for k, v in (per or {}).items()},
@@ -305,7 +341,11 @@ def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes,
 
 def print_account(acc: dict, peak_gib) -> None:
     r = acc["residuals"]
-    print(f"     memory (GiB/device): params {acc['params']:.2f}, optimizer state "
+    layer = ("" if acc.get("params_per_layer") is None else
+             f" ({acc['params_per_layer'] * 1024:.1f} MiB per layer, "
+             f"{acc['params_per_layer_gathered'] * 1024:.1f} MiB gathered"
+             + (", stacked" if acc.get("scan_layers") else "") + ")")
+    print(f"     memory (GiB/device): params {acc['params']:.2f}{layer}, optimizer state "
           f"{acc['optimizer_state']:.2f} on the {acc['optimizer_state_where']}, gradients "
           f"(if all live) "
           f"{acc['gradients_if_all_live']:.2f}, residuals "
@@ -333,15 +373,16 @@ def host_peak_gib() -> float:
 
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
-            account=False, profile=None, opt_memory="device", mesh_sizes=None):
+            account=False, profile=None, opt_memory="device", mesh_sizes=None,
+            scan_layers=False):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
     compiled and run once, then ``steps`` timed steps of each, alternating."""
-    step, state, batches, cfg, (state_bytes, params_bytes), lengths = build(
+    step, state, batches, cfg, (state_bytes, params_bytes, layer_bytes), lengths = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed,
-        opt_memory=opt_memory, mesh_sizes=mesh_sizes)
+        opt_memory=opt_memory, mesh_sizes=mesh_sizes, scan_layers=scan_layers)
     B = 1 if mesh_sizes is None else mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
     acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
-                          params_bytes, opt_memory) if account else None)
+                          params_bytes, opt_memory, layer_bytes) if account else None)
     if acc is not None:  # before running: a step that runs out of memory still shows it
         print(f"{size} G={G} S={S} remat {remat}:", flush=True)
         print_account(acc, None)
@@ -388,6 +429,7 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
                    n_matmul_params=fl["n_matmul"], losses=losses[kind],
                    state_gib_per_device=state_bytes / 2 ** 30, host_peak_gib=host_peak_gib(),
                    remat_offload=cfg.remat_offload, opt_memory=opt_memory,
+                   scan_layers=cfg.scan_layers,
                    peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
                              if any(m is not None for m in mem) else None))
         if acc is not None:
@@ -405,6 +447,7 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
             row["mfu_vs_matmul"] = tgs * fl["total"] / rate
         label = "" if packed is None else f"{kind:8s} "
         where = "" if mesh_sizes is None else f"mesh {mesh_label(mesh_sizes)} "
+        where += "scan " if cfg.scan_layers else ""
         print(f"{size:4s} G={G} S={S:7d} {where}{row['params_mode']:10s} {label}remat {remat}: step {t:8.3f} s  "
               f"TGS {tgs:9.1f}  "
               + (f"MFU {100 * row['mfu']:5.1f}%  " if peak else "")
@@ -465,6 +508,11 @@ def main(argv=None):
                         "'data=..,fsdp=..,sequence=..,tensor=..' (sizes multiplying to the "
                         "device count; data x fsdp rows per step) or 'auto' "
                         "(sharding.choose_mesh for an H200 node)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="the decoder blocks as one loop over stacked parameters "
+                        "(LlamaConfig(scan_layers=True)): XLA compiles one block, not one "
+                        "per layer")
+    add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
     p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
                    help="also time a packed step: documents with log-normal lengths of this "
                         "median, segment ids and per-document positions, alternating with "
@@ -472,6 +520,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.packed is not None and args.packed < 1:
         p.error(f"--packed={args.packed} must be a positive median document length")
+    compile_cache_from_args(args)  # rows run again with the same shapes: no compile
     name = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
     cfg = dict(PRESETS[name])
     if args.sizes:
@@ -504,8 +553,10 @@ def main(argv=None):
                   mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
                   xla_flags=os.environ.get("XLA_FLAGS"))
     cfg["packed"] = args.packed
+    cfg["scan_layers"] = args.scan_layers
     path = os.path.join(out_dir(), f"train_mfu_{name}"
-                        + (f"_packed{args.packed}" if args.packed else "") + ".json")
+                        + (f"_packed{args.packed}" if args.packed else "")
+                        + ("_scan" if args.scan_layers else "") + ".json")
     meshes = args.mesh.split(";") if args.mesh else ["none"]
     plan = [(size, G, S, remat, mesh) for size in cfg["sizes"] for G in counts
             for S in ([int(x) for x in args.seq.split(",")] if args.seq
@@ -525,14 +576,16 @@ def main(argv=None):
                                           steps=cfg["steps"], peak=cfg["peak"], rate=rate,
                                           packed=args.packed, account=args.memory_account,
                                           profile=args.profile, opt_memory=args.opt_memory,
-                                          mesh_sizes=sizes))
+                                          mesh_sizes=sizes, scan_layers=args.scan_layers))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: FAILED {msg}", flush=True)
             result["rows"].append(dict(size=size, G=G, S=S, params_mode=args.params,
                                        remat=remat, mesh=mesh, error=msg))
+        result["compile_cache"] = compile_cache_stats()
         save_json(result, path)
     table([r for r in result["rows"] if "error" not in r])
+    print(f"# {compile_cache_summary()}")
     return 0
 
 

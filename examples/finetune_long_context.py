@@ -24,7 +24,12 @@ What a long-context fine-tuning run does, end to end, with the library's parts:
    ``--keep`` kept) and after the last step.  **Rerunning the same command resumes** from
    the newest checkpoint: same parameters, optimizer state and next batch, so the run
    continues exactly as if never stopped (``--stop-after N`` stops after step N without a
-   final save, to try it).
+   final save, to try it).  JAX's persistent compilation cache (``runtime.compile_cache``:
+   ``--compile-cache DIR``, default ``~/.cache/jax_seqpar/xla`` but off on several CPU
+   devices; ``--no-compile-cache``) spares a rerun with the same shapes the
+   compilation; the run says what it read.
+   ``--scan-layers`` runs the blocks as one loop over stacked parameters (one block
+   compiled, whatever the depth).
 6. **Output.**  A progress bar, ``<out>/finetune_log.json`` (loss, accuracy and tokens per
    second per logged step, the packing report of each stage), ``<out>/loss.png``, and with
    ``--export DIR`` a transformers checkpoint (``models.hf.save_pretrained``) with its
@@ -45,6 +50,12 @@ import math
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jax_seqpar.runtime.compile_cache import (add_compile_cache_args,  # noqa: E402
+                                              compile_cache_from_args,
+                                              compile_cache_stats, compile_cache_summary)
 
 
 def int_list(text):
@@ -109,9 +120,11 @@ def parse_args(argv=None):
     p.add_argument("--export", default=None, help="write a transformers checkpoint here")
     p.add_argument("--export-dtype", default=None,
                    help="dtype of the exported weights (default: float32)")
-    p.add_argument("--compile-cache", default=None,
-                   help="JAX's persistent compilation cache (default: <out>/jax_cache; "
-                        "'none': off), so that a resumed run does not compile again")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="the decoder blocks as one loop over stacked parameters "
+                        "(LlamaConfig(scan_layers=True)): XLA compiles one block, not one "
+                        "per layer")
+    add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--out", default="examples/out/finetune")
     a = p.parse_args(argv)
@@ -146,7 +159,6 @@ ARGS = parse_args()
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.devices or 8}")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax_seqpar.runtime.distributed as jd  # noqa: E402
 
@@ -155,9 +167,9 @@ INFO = jd.initialize()  # several processes (launcher, SLURM): join them; else a
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-if ARGS.compile_cache != "none" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.abspath(ARGS.compile_cache or os.path.join(ARGS.out, "jax_cache")))
+# A rerun with the same shapes (a resumed run, the same stages again) reads its programs
+# from JAX's persistent compilation cache instead of compiling them.
+COMPILE_CACHE = compile_cache_from_args(ARGS)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
@@ -166,6 +178,7 @@ from jax_seqpar.data import load_tokenizer, make_iterator, train_bpe, write_corp
 from jax_seqpar.data.tokenize import read_text, text_files  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.models.hf import load_pretrained, save_pretrained  # noqa: E402
+from jax_seqpar.models.stacking import to_form  # noqa: E402
 from jax_seqpar.parallel.comm_time import Link  # noqa: E402
 from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
 from jax_seqpar.training import (CheckpointConfig, TrainCheckpointer, TrainState,  # noqa
@@ -232,7 +245,8 @@ def base_config(a, vocab_size):
     if a.checkpoint:
         with open(os.path.join(a.checkpoint, "config.json")) as f:
             hf = json.load(f)
-        cfg = LlamaConfig.from_hf(hf, dtype=dtype, param_dtype="float32", remat=a.remat)
+        cfg = LlamaConfig.from_hf(hf, dtype=dtype, param_dtype="float32", remat=a.remat,
+                                  scan_layers=a.scan_layers)
         if vocab_size > cfg.vocab_size:
             raise SystemExit(f"the tokenizer has {vocab_size} tokens but the checkpoint's "
                              f"vocab_size is {cfg.vocab_size}: pass --tokenizer (the "
@@ -242,7 +256,8 @@ def base_config(a, vocab_size):
         original = a.stages[0]
         cfg = LlamaConfig(vocab_size=vocab_size, d_model=a.d_model, num_layers=a.layers,
                           num_heads=a.heads, num_kv_heads=a.kv_heads, dtype=dtype,
-                          remat=a.remat, max_position_embeddings=original)
+                          remat=a.remat, max_position_embeddings=original,
+                          scan_layers=a.scan_layers)
     return cfg, original
 
 
@@ -267,9 +282,11 @@ def initial_state(a, model, optimizer, key, abstract):
                                 parallelism=model.parallelism,
                                 param_dtype=c.param_dtype, remat=c.remat,
                                 rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                                max_position_embeddings=c.max_position_embeddings)
+                                max_position_embeddings=c.max_position_embeddings,
+                                scan_layers=c.scan_layers)
 
     def fresh(p):
+        p = to_form(p, c.scan_layers)  # the model's form (a no-op: the loader built it)
         return TrainState(params=p, opt_state=optimizer.init(p), step=jnp.zeros((), jnp.int32),
                           rng=jax.random.fold_in(key, RNG_STREAM))
     return jax.jit(fresh, out_shardings=shardings_of(abstract), donate_argnums=0)(params)
@@ -347,7 +364,8 @@ def main():
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), JAX "
         f"{jax.__version__}, {INFO.process_count} process(es); layout={a.layout}, "
-        f"backward={a.backward}, remat={a.remat}, dtype={cfg.dtype}")
+        f"backward={a.backward}, remat={a.remat}, dtype={cfg.dtype}, "
+        f"scan_layers={cfg.scan_layers}")
     say(f"model: {a.checkpoint or 'random init'}, {n_params:,} parameters; tokenizer: "
         f"{tok_how}, {tokenizer.vocab_size} tokens; data: {data}")
     for i, c in enumerate(configs):
@@ -426,17 +444,18 @@ def main():
                        "jax": jax.__version__, "parameters": int(n_params),
                        "config": configs[-1].to_hf(), "tokenizer": tok_how,
                        "packing": reports, "steps_done": finished, "log": log,
-                       "wall_s": wall}, f, indent=1)
+                       "wall_s": wall, "compile_cache": compile_cache_stats()}, f, indent=1)
         plot(log, ends, os.path.join(a.out, "loss.png"), a, G)
     if a.export and finished == total:
         extra = {k: v for k, v in (("bos_token_id", tokenizer.bos_id),
                                    ("eos_token_id", tokenizer.eos_id),
                                    ("pad_token_id", tokenizer.pad_id)) if v is not None}
         save_pretrained(configs[-1], state.params, a.export, dtype=a.export_dtype,
-                        extra_config=extra)
+                        extra_config=extra)  # either form: one tensor per layer is written
         if LEAD:
             tokenizer.save(a.export)
         say(f"exported to {a.export} (models.hf.load_pretrained / transformers read it)")
+    say(compile_cache_summary())
 
 
 def plot(log, ends, path, a, G):

@@ -18,6 +18,10 @@ when present) with the library's ring attention; the model permutes its tokens i
     python examples/train_long_context.py --seq-len 4096 --layout striped --backward q
 
 Writes ``<out>/train_log.json`` (loss and accuracy per step) and ``<out>/loss.png``.
+``--scan-layers``: the blocks as one loop over stacked parameters.  Compiled programs are
+kept in JAX's persistent compilation cache (``runtime.compile_cache``: ``--compile-cache
+DIR``, default ``~/.cache/jax_seqpar/xla`` but off on several CPU devices;
+``--no-compile-cache``), so a rerun with the same shapes does not compile.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jax_seqpar.runtime.compile_cache import (add_compile_cache_args,  # noqa: E402
+                                              compile_cache_from_args, compile_cache_summary)
 
 
 def parse_args(argv=None):
@@ -56,6 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=None,
                    help="tile size of the xla kernel (default 256); only with the xla "
                         "kernel, which --kernel auto means on CPU")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="the decoder blocks as one loop over stacked parameters "
+                        "(LlamaConfig(scan_layers=True)): XLA compiles one block, not one "
+                        "per layer")
+    add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="examples/out")
@@ -71,7 +85,6 @@ ARGS = parse_args()
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.devices or 8}")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax_seqpar.runtime.distributed as jd  # noqa: E402
 
@@ -80,6 +93,8 @@ import jax_seqpar.runtime.distributed as jd  # noqa: E402
 INFO = jd.initialize()
 
 import jax  # noqa: E402
+
+COMPILE_CACHE = compile_cache_from_args(ARGS)  # a rerun with the same shapes: no compile
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
@@ -121,7 +136,8 @@ def main():
                          axis_types=(AxisType.Auto,))
     task = RecallTask(a.seq_len, a.pairs, a.keys, a.values)
     cfg = LlamaConfig(vocab_size=task.vocab, d_model=a.d_model, num_layers=a.layers,
-                      num_heads=a.heads, num_kv_heads=a.kv_heads, remat=a.remat)
+                      num_heads=a.heads, num_kv_heads=a.kv_heads, remat=a.remat,
+                      scan_layers=a.scan_layers)
     kernel, kernel_desc = choose_kernel(a, cfg)
     model = Llama(cfg, mesh=mesh, layout=a.layout, backward=a.backward, kernel=kernel)
     # Every process draws the same batches from the same seed; from_host places each
@@ -148,7 +164,8 @@ def main():
     lead = INFO.is_main  # with several processes, process 0 reports and writes
     say = print if lead else (lambda *args, **kw: None)
     say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"JAX {jax.__version__}; layout={a.layout}, backward={a.backward}, remat={a.remat}")
+          f"JAX {jax.__version__}; layout={a.layout}, backward={a.backward}, remat={a.remat}, "
+          f"scan_layers={a.scan_layers}")
     say(f"processes: {INFO.process_count} ({INFO.source})")
     say(f"attention kernel: {kernel_desc}")
     say(f"model: {n_params:,} parameters, {cfg.num_layers} layers, d_model {cfg.d_model}; "
@@ -183,6 +200,7 @@ def main():
           f"last: loss {last['loss']:.3f}, accuracy {last['accuracy']:.3f}")
     say(f"held-out ({4 * a.batch} sequences): loss {ev_loss:.3f}, accuracy {ev_acc:.3f} "
           f"(chance {1 / a.values:.3f}); {a.steps} steps in {wall:.0f} s")
+    say(compile_cache_summary())
     if not lead:
         return
     os.makedirs(a.out, exist_ok=True)
@@ -195,7 +213,7 @@ def main():
     plot(log, 1 / a.values, os.path.join(a.out, "loss.png"), a, G)
     if a.export:
         from jax_seqpar.models.hf import save_pretrained
-        save_pretrained(cfg, state.params, a.export)
+        save_pretrained(cfg, state.params, a.export)  # either form: one tensor per layer
         task.save(a.export)
         say(f"exported to {a.export} (transformers format + recall_task.json)")
 

@@ -3,7 +3,11 @@
 ``demo`` runs ring and all-gather attention (causal, GQA, forward and backward) on all
 devices, checks them against the dense reference and prints a table.  On a machine with
 no accelerator it simulates 8 CPU devices; this must be decided before JAX starts its
-backend, so the CLI sets it up before touching any device.
+backend, so the CLI sets it up before touching any device.  Its programs go to JAX's
+persistent compilation cache (``runtime.compile_cache``: ``--compile-cache DIR``,
+``--no-compile-cache``; off by default on several CPU devices), so running it again with
+the same sizes does not compile.  (``info`` compiles nothing; ``launch`` starts commands
+that take their own flags.)
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ def _rel(a, b) -> float:
 def cmd_demo(args) -> int:
     _simulate_cpu_devices(8)
     proc = _join_processes()
+    from jax_seqpar.runtime.compile_cache import compile_cache_from_args
+
+    cache = compile_cache_from_args(args)
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -143,6 +150,10 @@ def cmd_demo(args) -> int:
     print(f"relative errors are ||x - ref|| / ||ref|| against the float32 dense reference; "
           f"budget {budget:g}: {'PASS' if ok else 'FAIL'}")
     print("bytes are what one device sends in forward + backward, read from the compiled HLO")
+    if cache is not None:
+        from jax_seqpar.runtime.compile_cache import compile_cache_summary
+
+        print(compile_cache_summary())
     return 0 if ok else 1
 
 
@@ -160,6 +171,9 @@ def main(argv=None) -> int:
     pd.add_argument("--head-dim", type=int, default=64)
     pd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     pd.add_argument("--seed", type=int, default=0)
+    from jax_seqpar.runtime.compile_cache import add_compile_cache_args
+
+    add_compile_cache_args(pd)
     from jax_seqpar.runtime.launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)
