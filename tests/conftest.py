@@ -105,6 +105,7 @@ LONGEST_FIRST = (
     "test_multiprocess.py::test_ring_attention_two_processes_equals_one",
     "test_multiprocess.py::test_training_step_two_processes_equals_one",
     "test_remat.py",
+    "test_scan_layers.py::test_scanned_equals_unrolled",
     "test_packed_training.py",
     "test_generate.py",
     "test_nd_generate.py",
