@@ -110,7 +110,10 @@ def test_parameters_are_the_unrolled_ones_stacked_on_an_unsplit_axis():
     scanned = Llama(dataclasses.replace(CFG, scan_layers=True))
     toks = batch(False)["tokens"]
     shapes = jax.eval_shape(lambda: scanned.init(jax.random.key(0), toks))
-    want = jax.eval_shape(lambda: stack_layers(unrolled_params()))
+    # unrolled_params is cached: call it outside the trace, or the cache keeps tracers
+    # whenever this test is the first of its worker to ask for it
+    unrolled = unrolled_params()
+    want = jax.eval_shape(lambda: stack_layers(unrolled))
     assert jax.tree.structure(shapes) == jax.tree.structure(want)
     assert jax.tree.leaves(jax.tree.map(lambda a, b: a.shape == b.shape, shapes, want))
     assert set(shapes["params"]) == {LAYERS, "embed", "final_norm", "lm_head"}
