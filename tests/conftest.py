@@ -93,6 +93,8 @@ GROUPS = {
     # the one-device references (lru_cached) and the generators of the N-D tests
     "test_nd_model.py": "nd_model",
     "test_nd_generate.py": "nd_generate",
+    # one unrolled reference per (layout, packed), shared by the remat cases
+    "test_scan_layers.py::test_scanned_equals_unrolled": "scan_layers",
     "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
     "test_burst.py::test_gqa_group_four_prefers_kv": "burst_bytes",
 }

@@ -177,13 +177,21 @@ def test_no_replicated_work():
 OPT = optax.adamw(1e-2)
 
 
-def train(sizes, state=None, steps=2, ckpt=None, start=0, save_at=None):
-    mesh, par = make_mesh(sizes)
+@functools.lru_cache(maxsize=None)
+def model_and_step(name):
+    """The model on ``MESHES[name]`` and its train step, compiled once for the tests that
+    train on that factorization (laid out like ``abstract_train_state``, which is what
+    ``init_train_state`` and a restore give)."""
+    mesh, par = make_mesh(MESHES[name])
     model = Llama(CFG, mesh=mesh, parallelism=par)
-    key = jax.random.key(0)
+    abstract = abstract_train_state(model, OPT, jax.random.key(0), (B, S))
+    return model, make_train_step(model, OPT, shardings=abstract)
+
+
+def train(name, state=None, steps=2, ckpt=None, start=0, save_at=None):
+    model, step = model_and_step(name)
     if state is None:
-        state = init_train_state(model, OPT, key, (B, S))
-    step = make_train_step(model, OPT, shardings=state)
+        state = init_train_state(model, OPT, jax.random.key(0), (B, S))
     losses = []
     for i in range(start, start + steps):
         state, m = step(state, packed_batch(i))
@@ -199,7 +207,7 @@ def test_train_state_follows_the_rules_and_steps_like_one_device():
     abstract = abstract_train_state(model, OPT, jax.random.key(0), (B, S))
     mu = abstract.opt_state[0].mu["params"]["layer_0"]["mlp"]["gate_proj"]["kernel"]
     assert mu.sharding.spec == P("sequence", "tensor")  # AdamW's moments like their param
-    _, _, losses = train(MESHES["data2_seq2_tensor2"], steps=2)
+    _, _, losses = train("data2_seq2_tensor2", steps=2)
     one = Llama(CFG)
     params = one.init(jax.random.key(0), jnp.zeros((B, S), jnp.int32))
     opt_state = OPT.init(params)
@@ -214,20 +222,20 @@ def test_train_state_follows_the_rules_and_steps_like_one_device():
 
 
 def test_checkpoint_resumes_on_other_factorizations(tmp_path):
-    """Saved on sequence 8; resumed on data 2 x sequence 4 and on tensor 2 x sequence 4:
-    the next losses equal those of the uninterrupted run (1e-6)."""
+    """Saved on sequence 8; resumed on data 2 x sequence 2 x tensor 2 (every role
+    changes) and on fsdp 2 x sequence 2 x tensor 2 (the parameters and moments split
+    differently again): the next losses equal those of the uninterrupted run (1e-6)."""
     with TrainCheckpointer(CheckpointConfig(tmp_path, save_every=1)) as ckpt:
-        _, _, losses = train(MESHES["seq8"], steps=4, ckpt=ckpt, save_at=2)
+        _, _, losses = train("seq8", steps=4, ckpt=ckpt, save_at=2)
         ckpt.wait_until_finished()
     want = losses[2:]
-    for name in ("data2_seq4", "tensor2_seq4"):
-        mesh, par = make_mesh(MESHES[name])
-        model = Llama(CFG, mesh=mesh, parallelism=par)
+    for name in ("data2_seq2_tensor2", "fsdp2_seq2_tensor2"):
+        model, _ = model_and_step(name)
         abstract = abstract_train_state(model, OPT, jax.random.key(0), (B, S))
         with TrainCheckpointer(CheckpointConfig(tmp_path, save_every=1)) as ckpt:
             restored = ckpt.restore_latest(abstract)
         assert restored.step == 2
-        _, _, got = train(MESHES[name], state=restored.state, steps=2, start=2)
+        _, _, got = train(name, state=restored.state, steps=2, start=2)
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
 
 

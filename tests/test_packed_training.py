@@ -119,8 +119,10 @@ def one_by_one():
     return total, grads, targets
 
 
-CASES = [(1, "zigzag", "kv"), (8, "zigzag", "kv"), (8, "zigzag", "q"),
-         (8, "striped", "kv"), (8, "striped", "q")]
+# 4 devices: every document still crosses shard boundaries (zigzag: 8 chunks, striped:
+# every token on the next device), at half the compile time of 8 devices' unrolled hops
+CASES = [(1, "zigzag", "kv"), (4, "zigzag", "kv"), (4, "zigzag", "q"),
+         (4, "striped", "kv"), (4, "striped", "q")]
 
 
 @pytest.mark.parametrize("G,layout,backward", CASES)
