@@ -175,7 +175,8 @@ def run_config(size, P_, B, a, mesh, rate, par=None, scan=None):
     params = jax.jit(init, out_shardings=rep)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     prompts = jax.random.randint(jax.random.key(1), (B, P_), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((B,), P_, jnp.int32)
-    gen = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk)
+    gen = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk,
+                        eos_id=None)   # every row runs all N steps (timed)
     if par is not None:
         params = gen.replicate(params)  # split over the tensor axis as the model splits it
     row = dict(size=size, prompt=P_, batch=B, devices=G, new_tokens=N, scan_layers=scan,
@@ -227,7 +228,7 @@ def run_config(size, P_, B, a, mesh, rate, par=None, scan=None):
     # ---- the same step with the decoding baselines (several devices: issue 29)
     for strategy in a.strategies:
         other = generator_for(model, (B, P_), N, mesh=mesh, prefill_chunk=a.prefill_chunk,
-                              decode_strategy=strategy)
+                              decode_strategy=strategy, eos_id=None)
         dec = other.decode(None).lower(params, logits, lengths, state["cache"],
                                        rng).compile()
 

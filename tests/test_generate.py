@@ -10,7 +10,8 @@
 * stacked blocks (``LlamaConfig(scan_layers=True)``, the same numbers): the same tokens on
   one device and on 8; their prefill holds one block (one layer's ring collectives) and
   no second copy of the cache, which stays one array per layer;
-* sampling, ``eos_id``, ``callback`` and every bad argument.
+* sampling, ``eos_id`` (the model's ``eos_token_ids`` by default, several ids, None),
+  ``callback`` and every bad argument.
 """
 
 import dataclasses
@@ -171,17 +172,50 @@ def test_ring_and_allgather_decoding_give_the_same_tokens_with_their_own_traffic
         generator_for(model, (B, 40), 4, decode_strategy="star")
 
 
+def assert_stopped(out, free, ids):
+    """``out`` is ``free`` up to each row's first token in ``ids``, then ``ids[0]``."""
+    for b in range(len(free)):
+        hits = np.flatnonzero(np.isin(free[b], ids))
+        stop = hits[0] if hits.size else free.shape[1]
+        np.testing.assert_array_equal(out[b, :stop + 1], free[b, :stop + 1])
+        assert (out[b, stop + 1:] == ids[0]).all(), (b, out[b], ids)
+
+
 def test_eos_stops_rows_and_fills_them():
     model, params, toks = tiny()
-    free = np.asarray(generate(model, params, toks, max_new_tokens=6, prompt_lengths=LENGTHS))
+    kw = dict(max_new_tokens=6, prompt_lengths=LENGTHS)
+    free = np.asarray(generate(model, params, toks, **kw))  # CFG has no eos_token_ids
     eos = int(free[0, 2])
-    out = np.asarray(generate(model, params, toks, max_new_tokens=6,
-                              prompt_lengths=LENGTHS, eos_id=eos))
-    for b in range(3):
-        hits = np.flatnonzero(free[b] == eos)
-        stop = hits[0] if hits.size else 6
-        np.testing.assert_array_equal(out[b, :stop + 1], free[b, :stop + 1])
-        assert (out[b, stop + 1:] == eos).all()
+    out = np.asarray(generate(model, params, toks, eos_id=eos, **kw))
+    assert_stopped(out, free, [eos])
+    # the model's eos_token_ids are the default; eos_id=None never stops.  The ids are
+    # metadata: the same compiled programs as the model without them
+    with_eos = Llama(dataclasses.replace(CFG, eos_token_ids=(eos,)))
+    assert generator_for(with_eos, toks.shape, 6, max_prompt_len=int(LENGTHS.max())) is \
+        generator_for(model, toks.shape, 6, max_prompt_len=int(LENGTHS.max()), eos_id=eos)
+    np.testing.assert_array_equal(np.asarray(generate(with_eos, params, toks, **kw)), out)
+    np.testing.assert_array_equal(
+        np.asarray(generate(with_eos, params, toks, eos_id=None, **kw)), free)
+    # two ids: each row stops at whichever comes first, filled with the first id
+    second = next(int(t) for t in free[1] if t != eos)
+    two = np.asarray(generate(with_eos, params, toks, eos_id=[eos, second], **kw))
+    assert_stopped(two, free, [eos, second])
+    assert (two != free).any() and (two != out).any()
+
+
+def test_the_loop_ends_when_every_row_has_stopped_at_one_of_several_ids():
+    model, params, toks = tiny()
+    firsts = np.asarray(generate(model, params, toks, max_new_tokens=6,  # the eos test's
+                                 prompt_lengths=LENGTHS))[:, 0]
+    ids = list(dict.fromkeys(firsts.tolist()))[::-1]
+    assert len(ids) > 1
+    seen = []
+    out = generate(Llama(dataclasses.replace(CFG, eos_token_ids=ids)), params, toks,
+                   max_new_tokens=6, prompt_lengths=LENGTHS,
+                   callback=lambda step, t: seen.append(step))
+    out = np.asarray(jax.block_until_ready(out))
+    np.testing.assert_array_equal(out[:, 0], firsts)
+    assert (out[:, 1:] == ids[0]).all() and seen == [0]   # no step after the first token
 
 
 def test_sampling_is_deterministic_per_key_and_streams_in_order():
@@ -231,7 +265,11 @@ def test_sampling_functions():
     (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=0), "top_k=0"),
-    (dict(eos_id=61), "eos_id=61"),
+    (dict(eos_id=61), r"eos_id=61 is not a token id in \[0, 61\)"),
+    (dict(eos_id=-1), "eos_id=-1 is not a token id"),
+    (dict(eos_id=[3, 61]), r"eos_id=\[3, 61\] holds 61, which is not a token id"),
+    (dict(eos_id=(3, True)), r"eos_id=\(3, True\) holds True"),
+    (dict(eos_id="eos"), "eos_id='eos' is not a recognised option.*'model'"),
     (dict(prompts=np.zeros((3,), np.int32)), "prompts must be integer"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):

@@ -32,6 +32,7 @@ from jax_seqpar.models import Llama, LlamaConfig
 from jax_seqpar.models.hf import (checkpoint_tensors, load_pretrained, save_pretrained,
                                   tensor_map)
 from jax_seqpar.models.hf import config_from_hf
+from jax_seqpar.models.hf_config import read_generation_config
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 NAMES = ["llama_plain", "llama_linear", "llama_dynamic", "llama_yarn", "llama_llama3",
@@ -123,6 +124,109 @@ def test_unsupported_config_fields_raise(change, match):
         LlamaConfig.from_hf(hf)
 
 
+# config.json of real checkpoints (their published fields and values): SmolLM2-135M-Instruct
+# (nanotron's extra fields, a transformers.js block), Llama-3.1-8B-Instruct (llama3 RoPE,
+# three eos ids), Qwen2.5-7B-Instruct (its generation_config.json adds an eos id).
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 576, "initializer_range": 0.041666666666666664, "intermediate_size": 1536,
+    "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+    "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152}
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256}
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+    "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064}
+QWEN25_7B_GENERATION = {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True,
+                        "eos_token_id": [151645, 151643], "repetition_penalty": 1.05,
+                        "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                        "transformers_version": "4.37.0"}
+
+
+def test_real_configs_load_with_their_token_ids_and_round_trip(tmp_path):
+    smol = LlamaConfig.from_hf(SMOLLM2_135M)
+    assert (smol.vocab_size, smol.d_model, smol.ffn_dim, smol.num_layers, smol.num_heads,
+            smol.num_kv_heads, smol.head_dim, smol.norm_eps, smol.rope_theta,
+            smol.max_position_embeddings, smol.tie_embeddings, smol.rope_scaling) == \
+        (49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, True, None)
+    assert (smol.bos_token_id, smol.eos_token_ids, smol.pad_token_id) == (1, (2,), 2)
+    # transformers' GGUF export adds these; pretraining_tp > 1 is the same function
+    # (transformers <= 4.47 sliced the matmuls; later versions do not read it)
+    for extra in (dict(_model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct",
+                       unk_token_id=0), dict(pretraining_tp=2)):
+        assert LlamaConfig.from_hf(dict(SMOLLM2_135M, **extra)) == smol
+    llama = LlamaConfig.from_hf(LLAMA31_8B)
+    assert (llama.num_kv_heads, llama.ffn_dim, llama.bos_token_id, llama.eos_token_ids) == \
+        (8, 14336, 128000, (128001, 128008, 128009))
+    assert llama.rope_scaling == RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0,
+                                             high_freq_factor=4.0)
+    qwen = LlamaConfig.from_hf(QWEN25_7B)
+    assert (qwen.attention_bias, qwen.window, qwen.eos_token_ids, qwen.pad_token_id) == \
+        (True, None, (151645,), None)
+    # generation_config.json's ids win where it gives them (as transformers' generate)
+    gen = LlamaConfig.from_hf(QWEN25_7B, generation_config=QWEN25_7B_GENERATION)
+    assert (gen.bos_token_id, gen.eos_token_ids, gen.pad_token_id) == \
+        (151643, (151645, 151643), 151643)
+    assert gen == dataclasses.replace(qwen, eos_token_ids=[151645, 151643],
+                                      pad_token_id=151643)
+    assert LlamaConfig.from_hf(QWEN25_7B, generation_config={"eos_token_id": None}) == qwen
+    # to_hf writes the ids back as transformers does (one eos id as an int, several a list)
+    assert (smol.to_hf()["eos_token_id"], llama.to_hf()["eos_token_id"]) == \
+        (2, [128001, 128008, 128009])
+    for cfg in (smol, llama, qwen, gen):
+        assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN25_7B_GENERATION))
+    assert read_generation_config(tmp_path) == QWEN25_7B_GENERATION
+    assert read_generation_config(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("change, kwargs, match", [
+    (dict(rope_interleaved=True), {}, r"rope_interleaved=True is not supported: interleaved"),
+    (dict(rope_interleaved=True), dict(ignore=["rope_interleaved"]), "rope_interleaved=True"),
+    (dict(pretraining_tp=0), {}, "pretraining_tp=0 must be a positive int"),
+    (dict(attn_config={"alibi": True}), {}, r"\['attn_config'\].*ignore="),  # identifier
+    (dict(**{"foo.bar_config": 3}), {}, r"\['foo.bar_config'\]"),            # not a dict
+    (dict(eos_token_id=[2, 49152]), {}, r"eos_token_id=49152 \(config.json\) is not a "
+                                        r"token id in \[0, 49152\).*ignore=\['eos_token_id'\]"),
+    (dict(pad_token_id=-1), {}, r"pad_token_id=-1 \(config.json\)"),
+    ({}, dict(generation_config={"eos_token_id": [2, 60000]}),
+     r"eos_token_id=60000 \(generation_config.json\)"),
+])
+def test_real_config_fields_that_change_the_model_or_are_bad_ids_raise(change, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf(dict(SMOLLM2_135M, **change), **kwargs)
+
+
+def test_ignored_token_ids_are_left_unread():
+    cfg = LlamaConfig.from_hf(dict(SMOLLM2_135M, pad_token_id=-1), ignore=["pad_token_id"])
+    assert (cfg.eos_token_ids, cfg.pad_token_id) == ((2,), None)
+    with pytest.raises(ValueError, match=r"eos_token_ids=\(3, 61\) must hold token ids in "
+                                         r"\[0, 61\)"):
+        LlamaConfig(vocab_size=61, eos_token_ids=(3, 61))
+    assert LlamaConfig(vocab_size=61, eos_token_ids=np.int64(3)).eos_token_ids == (3,)
+
+
 def test_mistral_window_defaults_like_transformers():
     """MistralConfig's sliding_window is 4096 when config.json leaves it out; null is none."""
     hf = hf_json("mistral")
@@ -174,10 +278,13 @@ def test_logits_one_device(name):
 
 @pytest.mark.parametrize("name, layout", [(n, "zigzag") for n in NAMES] + [
     ("mistral", "striped")])   # striped layouts of the model itself: tests/test_llama.py
-def test_logits_eight_devices(name, layout):
+def test_logits_on_a_mesh(name, layout):
+    """FSDP-loaded onto 4 devices, run sequence-parallel: every fixture's 64 tokens cross
+    the shards (8 zigzag chunks), at half the compile time of 8 devices' ring."""
     r = ref(name)
-    cfg, params = load_pretrained(os.path.join(FIX, name), mesh=auto_mesh(), dtype="float32")
-    assert_close(logits(cfg, params, r["input_ids"], auto_mesh(), layout), r["logits"], TOL,
+    mesh = auto_mesh(4)
+    cfg, params = load_pretrained(os.path.join(FIX, name), mesh=mesh, dtype="float32")
+    assert_close(logits(cfg, params, r["input_ids"], mesh, layout), r["logits"], TOL,
                  f"{name} {layout}")
 
 
@@ -537,3 +644,17 @@ def test_save_refuses_a_stacked_tree_that_is_not_the_config(tmp_path):
     with pytest.raises(ValueError, match=r"parameter layer_0/.* not a parameter .*either "
                                          r"layer_i or layers"):
         save_pretrained(cfg, both, tmp_path)
+
+
+def test_load_pretrained_keeps_the_token_ids_generation_config_gives(tmp_path):
+    """config.json's ids, overridden by generation_config.json's where it states them
+    (as transformers' generate reads them); the weights are read as before."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(FIX, "llama_plain"), ckpt)
+    hf = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**hf, "bos_token_id": 1, "eos_token_id": 2}))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    cfg, _ = load_pretrained(ckpt, dtype="float32")
+    assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.pad_token_id) == (1, (2, 7), None)
+    (ckpt / "generation_config.json").unlink()
+    assert load_pretrained(ckpt, dtype="float32")[0].eos_token_ids == (2,)

@@ -29,6 +29,13 @@ along the sequence over ``mesh[axis_name]`` for its whole life (never gathered):
   The loop over new tokens is one ``lax.while_loop`` inside one ``jax.jit``; the host
   sees tokens only at the end, unless ``callback`` streams them.
 
+Stopping: by default (``eos_id="model"``) a row stops at any of the model's
+``config.eos_token_ids`` (from the checkpoint's config.json / generation_config.json, as
+transformers' ``generate`` stops at its generation config's ``eos_token_id``); an int or
+a sequence of ints stops at those instead, ``None`` never stops.  A stopped row's later
+positions hold the first of its stop ids, and the token loop ends once every row has
+stopped.
+
 Ragged prompts: ``prompts [B, P]`` is right-padded and row ``b``'s prompt is
 ``prompts[b, :prompt_lengths[b]]``.  Every row prefills ``P`` positions; the padding's
 keys sit at positions after the row's prompt, where the causal mask hides them from the
@@ -111,9 +118,9 @@ layers, ``G`` / ``T`` devices along the sequence / tensor axes:
   ``psum``) and ``(T - 1) / T * b * V * 4`` (the float32 logits' ``all_gather``).  The
   down ``psum`` is there when the tensor axes split the MLP, the embedding's and the
   logits' when they split the vocabulary (else those weights are whole on each device);
-* batch axes: nothing in the step.  Around it, the loop's stop test with an ``eos_id``
-  (every row done?) is one all-reduce of one byte over the batch axes per token;
-  without ``eos_id`` there is none.
+* batch axes: nothing in the step.  Around it, the loop's stop test with end-of-sequence
+  ids (every row done?) is one all-reduce of one byte over the batch axes per token;
+  without them (``eos_id=None``, or a model with no ``eos_token_ids``) there is none.
 
 **Heads the tensor axes cannot split** (``Llama.heads_split`` False: ``Hq % T != 0``,
 e.g. SmolLM2's 9 query / 3 kv heads on a tensor axis of 2).  As the training model does
@@ -155,7 +162,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +183,50 @@ from jax_seqpar.models.tensor_split import TensorSplit
 from jax_seqpar.sharding.parallelism import Parallelism
 from jax_seqpar.sharding.specs import (AxisRole, axis_tuple, kv_head_repeats, normalize_role,
                                        role_size)
+
+# ----------------------------------------------------------------- end of sequence
+
+#: ``eos_id``'s default: stop at the model's ``config.eos_token_ids`` (none: never stop).
+EOS_FROM_MODEL = "model"
+#: What ``eos_id`` takes: ``"model"``, None, a token id or a sequence of token ids.
+EosArg = Union[str, None, int, Sequence[int]]
+
+
+def eos_ids_for(eos_id: EosArg, config: LlamaConfig) -> tuple:
+    """The token ids that stop a row, as a tuple (``()``: no row stops), for ``eos_id``:
+    ``"model"`` -> ``config.eos_token_ids``; None -> ``()``; an int or a sequence of ints
+    -> those, each checked to lie in ``[0, config.vocab_size)`` (a ``ValueError`` naming
+    ``eos_id``), duplicates dropped (the first stays first: it fills stopped rows)."""
+    V = config.vocab_size
+
+    def bad(what):
+        return ValueError(f"eos_id={eos_id!r} {what}; eos_id takes a token id in [0, {V}) "
+                          f"(vocab_size), a sequence of them, None (never stop) or "
+                          f"{EOS_FROM_MODEL!r} (the model's eos_token_ids, the default)")
+    if isinstance(eos_id, str):
+        if eos_id != EOS_FROM_MODEL:
+            raise bad("is not a recognised option")
+        return tuple(config.eos_token_ids)
+    if eos_id is None:
+        return ()
+    many = isinstance(eos_id, (Sequence, np.ndarray))
+    ids = np.asarray(eos_id).reshape(-1).tolist() if isinstance(eos_id, np.ndarray) \
+        else list(eos_id) if many else [eos_id]
+    for i in ids:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) \
+                or not 0 <= i < V:
+            raise bad(f"holds {i!r}, which is not a token id in [0, {V})" if many
+                      else f"is not a token id in [0, {V})")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def without_token_ids(config: LlamaConfig) -> LlamaConfig:
+    """``config`` without its token ids (metadata that the programs never read)."""
+    if config.bos_token_id is None and not config.eos_token_ids \
+            and config.pad_token_id is None:
+        return config
+    return dataclasses.replace(config, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
+
 
 # ------------------------------------------------------------------- compiled programs
 
@@ -202,6 +253,11 @@ class Generator:
     (sequence..., tensor...), None, None)`` with ``Hc = Hkv``; the MLP, the embedding and
     the LM head keep the tensor split (module docstring, "Heads the tensor axes cannot
     split").
+
+    ``eos_id``: what ``generate`` takes (``"model"``: the config's ``eos_token_ids``; an
+    int or a sequence of ints; None), stored resolved as a tuple of ids (``()``: no row
+    stops; ``eos_ids_for``).  ``config`` is stored without its token ids (metadata the
+    programs never read), so models that differ only in those share their programs.
     """
 
     config: LlamaConfig
@@ -211,7 +267,7 @@ class Generator:
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
-    eos_id: Optional[int] = None
+    eos_id: EosArg = EOS_FROM_MODEL
     kernel: str = "auto"
     decode_kernel: str = "auto"
     decode_strategy: str = "tree"
@@ -219,6 +275,10 @@ class Generator:
     head_axis: AxisRole = None
     param_specs: tuple = ()
     heads_split: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_id", eos_ids_for(self.eos_id, self.config))
+        object.__setattr__(self, "config", without_token_ids(self.config))
 
     @property
     def parts(self) -> LlamaParts:
@@ -302,6 +362,9 @@ class Generator:
 
     @functools.cached_property
     def prefill(self):
+        if self.eos_id:   # the prefill never reads eos_id: share the one compiled without
+            return _generator(*(() if f.name == "eos_id" else getattr(self, f.name)
+                                 for f in dataclasses.fields(self))).prefill
         plan, axis, mesh = self.plan, self.attention_axis, self.mesh
         perm = jnp.asarray(permutation("striped", plan.padded_len, plan.num_shards))
         toks_spec, rows, logits = (self._spec(k) for k in ("tokens", "rows", "logits"))
@@ -360,8 +423,12 @@ class Generator:
     def _decode_program(self, callback):
         plan = self.plan
         N, B = plan.max_new_tokens, plan.batch
-        eos = -1 if self.eos_id is None else int(self.eos_id)
-        fill = 0 if self.eos_id is None else eos
+        stops = bool(self.eos_id)          # a tuple of ids; () never stops
+        fill = self.eos_id[0] if stops else 0
+        eos = jnp.asarray(self.eos_id if stops else (-1,), jnp.int32)
+
+        def is_eos(tok):             # [B] -> [B] bool: any of the ids
+            return jnp.any(tok[:, None] == eos[None, :], axis=-1)
         sample = functools.partial(sample_logits, temperature=self.temperature,
                                    top_k=self.top_k, top_p=self.top_p)
         step_fn = self.step
@@ -370,13 +437,13 @@ class Generator:
             lengths = lengths.astype(jnp.int32)
             first = sample(first_logits, jax.random.fold_in(rng, 0))
             out = jnp.full((B, N), fill, jnp.int32).at[:, 0].set(first)
-            done = first == eos
+            done = is_eos(first)
             if callback_token is not None:
                 callback_token(jnp.int32(0), first)
 
             def cond(state):
                 step, _, done, _, _ = state
-                if self.eos_id is None:   # no row stops early: no test across the rows
+                if not stops:   # no row stops early: no test across the rows
                     return step < N
                 return (step < N) & ~jnp.all(done)
 
@@ -388,7 +455,7 @@ class Generator:
                 out = lax.dynamic_update_slice_in_dim(out, new[:, None], step, axis=1)
                 if callback_token is not None:
                     callback_token(step, new)
-                return step + 1, new, done | (new == eos), out, cache
+                return step + 1, new, done | is_eos(new), out, cache
 
             state = (jnp.int32(1), first, done, out, cache)
             _, _, _, out, cache = lax.while_loop(cond, body, state)
@@ -529,10 +596,11 @@ def _both_forms(entries: tuple, layers: int) -> tuple:
 
 def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None,
                   axis_name: str = "sp", max_prompt_len: Optional[int] = None,
-                  temperature: float = 0.0, top_k=None, top_p=None, eos_id=None,
-                  cache_len=None, prefill_chunk=None, kernel="auto",
-                  decode_kernel="auto", decode_strategy="tree") -> Generator:
-    """The ``Generator`` (compiled programs) that ``generate`` would use;
+                  temperature: float = 0.0, top_k=None, top_p=None,
+                  eos_id: EosArg = EOS_FROM_MODEL, cache_len=None, prefill_chunk=None,
+                  kernel="auto", decode_kernel="auto", decode_strategy="tree") -> Generator:
+    """The ``Generator`` (compiled programs) that ``generate`` would use (the same
+    arguments; ``eos_id`` defaults to the model's ``eos_token_ids`` as there);
     ``decode_strategy="ring"`` / ``"allgather"`` decode with the baselines instead of
     tree attention (for comparisons: the same cache, the same step otherwise)."""
     if decode_strategy not in DECODE_STRATEGIES:
@@ -542,10 +610,8 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
         raise TypeError(f"model must be a jax_seqpar.models.Llama, got "
                         f"{type(model).__name__}")
     check_sampling(temperature, top_k, top_p)
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
-                               or not 0 <= eos_id < model.config.vocab_size):
-        raise ValueError(f"eos_id={eos_id!r} must be a token id in [0, "
-                         f"{model.config.vocab_size}) or None")
+    eos_ids = eos_ids_for(eos_id, model.config)
+    config = without_token_ids(model.config)   # one program whatever the token ids
     mesh, axis_name, par = _resolve_mesh(model, mesh, axis_name)
     B, P_ = prompts_shape
     batch_axis = head_axis = None
@@ -554,7 +620,7 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
     if par is not None:
         batch_axis = _split_axes(mesh, par.batch_axes)
         head_axis = _split_axes(mesh, par.tensor_axes)
-        specs = _tensor_param_specs(model.config, mesh, par, head_axis)
+        specs = _tensor_param_specs(config, mesh, par, head_axis)
         # Llama.heads_split on this mesh: the tensor axes divide the query heads
         heads_split = model.config.num_heads % role_size(mesh, head_axis) == 0
     rows = role_size(mesh, batch_axis)
@@ -565,8 +631,8 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
     plan = make_plan(B, P_, max_new_tokens, role_size(mesh, attention_axis),
                      max_prompt_len=P_ if max_prompt_len is None else max_prompt_len,
                      cache_len=cache_len, prefill_chunk=prefill_chunk, batch_shards=rows)
-    return _generator(model.config, mesh, axis_name, plan, float(temperature), top_k,
-                      None if top_p is None else float(top_p), eos_id, kernel,
+    return _generator(config, mesh, axis_name, plan, float(temperature), top_k,
+                      None if top_p is None else float(top_p), eos_ids, kernel,
                       decode_kernel, decode_strategy, batch_axis, head_axis, specs,
                       heads_split)
 
@@ -574,7 +640,7 @@ def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None
 def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Optional[Mesh] = None,
              axis_name: str = "sp", prompt_lengths=None, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
-             eos_id: Optional[int] = None, rng=None, cache_len: Optional[int] = None,
+             eos_id: EosArg = EOS_FROM_MODEL, rng=None, cache_len: Optional[int] = None,
              callback: Optional[Callable] = None, prefill_chunk: Optional[int] = None,
              kernel="auto", decode_kernel="auto"):
     """Generate ``max_new_tokens`` tokens after each prompt; returns int32 ``[B, N]``.
@@ -598,8 +664,12 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
         batch must divide by the devices of its batch axes.
       temperature, top_k, top_p, rng: sampling (``models.sampling``); ``temperature=0``
         is greedy.  The same ``rng`` gives the same tokens.
-      eos_id: a row stops at this token; its later positions are filled with ``eos_id``
-        (the loop ends when every row has stopped).
+      eos_id: the tokens that end a row.  ``"model"`` (the default): the model's
+        ``config.eos_token_ids`` (a checkpoint's ``eos_token_id``, as transformers'
+        ``generate`` stops; none: never stop); an int or a sequence of ints, each in
+        ``[0, vocab_size)``: any of those; None: never stop.  A stopped row's later
+        positions are filled with the first of the ids (the loop ends when every row
+        has stopped).
       cache_len: the cache's length (default: the padded prompt plus the new tokens,
         rounded up to whole ``CACHE_ALIGN`` slots per device); must be divisible by the number of
         devices, and should leave each device a multiple of the decode kernel's key block
@@ -627,5 +697,5 @@ def generate(model: Llama, params, prompts, *, max_new_tokens: int, mesh: Option
     return gen.decode(callback)(params, logits, lengths, cache, rng)[0]
 
 
-__all__ = ["DECODE_STRATEGIES", "GenerationPlan", "Generator", "LlamaParts", "TensorSplit",
-           "generate", "generator_for", "make_plan"]
+__all__ = ["DECODE_STRATEGIES", "EOS_FROM_MODEL", "GenerationPlan", "Generator", "LlamaParts",
+           "TensorSplit", "eos_ids_for", "generate", "generator_for", "make_plan"]

@@ -5,11 +5,46 @@
 and the model imports it) and refuses, with a
 ``ValueError`` naming the field and what is supported, every field it cannot map
 faithfully: an unknown architecture, a RoPE type other than linear / dynamic / yarn /
-llama3, partial rotary embeddings, an activation other than SiLU, per-layer sliding
-windows, quantization.  A field it does not know at all is refused too (pass its name in
-``ignore=`` if it does not change the model), so nothing that changes the model is
-silently dropped.  ``config_to_hf`` writes the dict transformers' ``from_pretrained``
-accepts.
+llama3, partial rotary embeddings, interleaved RoPE, an activation other than SiLU,
+per-layer sliding windows, quantization.  ``config_to_hf`` writes the dict transformers'
+``from_pretrained`` accepts.
+
+**Which fields are accepted, which refused.**  Every field of a config.json falls in one
+of these kinds; nothing that changes the model is silently dropped:
+
+1. *Mapped* (read into ``LlamaConfig``): the fields below, per architecture.
+2. *Checked*: read only to refuse what would change the model --
+   ``rope_interleaved`` (nanotron's flag, e.g. SmolLM2): ``false`` is transformers'
+   rotate-half RoPE, ours; ``true`` rotates adjacent pairs, another function of the same
+   weights: refused, even when named in ``ignore``.  ``pretraining_tp`` (Llama 2's
+   tensor-parallel degree; any positive int accepted): older transformers 4.x split
+   each Llama projection and the LM head into that many slices and concatenated or
+   summed the partial products -- the same function up to float rounding (the order
+   of a sum); the rewritten modeling code (4.48 era) and 5.x do not read it at all.
+   ``attention_dropout`` must be 0, ``hidden_act`` SiLU.
+3. *Token ids*, kept as metadata (``LlamaConfig.bos_token_id``, ``eos_token_ids``,
+   ``pad_token_id``: they never change what the model computes; ``models.generate``
+   stops at ``eos_token_ids`` by default): ``bos_token_id``, ``eos_token_id`` (an int or
+   a list), ``pad_token_id``; each must be null or a token id in ``[0, vocab_size)`` (a
+   name in ``ignore`` leaves it unread).  ``generation_config`` (the dict of a
+   ``generation_config.json`` beside config.json: ``read_generation_config``) supplies
+   the same three, and where it gives one (not null) it wins, as transformers'
+   ``generate`` reads its generation config; its other fields (sampling settings) are
+   not read.
+4. *Accepted unread*, because they do not change the function the model computes
+   (``_HARMLESS``): names and paths (``_name_or_path``, ``_model_name_or_path`` of the
+   GGUF export, ...), other token ids (``unk_token_id``, ``sep_token_id``, ...),
+   ``use_cache``, ``dtype`` / ``torch_dtype`` (the load's ``dtype`` decides),
+   ``is_llama_config`` (nanotron's marker), ``initializer_range``, generation settings
+   and transformers' generic ``PretrainedConfig`` flags.
+5. *Tool blocks*, accepted unread: a key that ends in ``_config``, is not a Python
+   identifier (it holds a ``.`` or a ``-``, e.g. ``transformers.js_config``: a tool's
+   package name) and holds a dict.  Modeling code reads a config's fields as attributes,
+   which such a name cannot be, so only the tool that wrote it reads it.  A
+   ``*_config`` block with an identifier name (``quantization_config``, ``text_config``,
+   MPT's ``attn_config``, ...) may be read by a model, so it falls in 6.
+6. Anything else is *refused*, unknown fields included (pass a name in ``ignore=`` when
+   it is known not to change the model: it is then accepted unread).
 
 How the fields map (transformers name -> ``LlamaConfig``): ``hidden_size`` -> ``d_model``,
 ``intermediate_size`` -> ``ffn_dim``, ``num_hidden_layers`` -> ``num_layers``,
@@ -20,12 +55,15 @@ older top-level ``rope_theta`` / ``rope_scaling`` -> ``rope_theta``, ``rope_scal
 Llama's ``attention_bias`` -> ``attention_bias`` and ``attention_out_bias``, ``mlp_bias``;
 Qwen2: q/k/v biases always (``attention_bias=True``); Mistral's (and Qwen2's, when every
 layer slides) ``sliding_window`` W -> ``window=(W - 1, 0)`` (transformers lets query ``i``
-see keys ``j`` with ``i - W < j <= i``).
+see keys ``j`` with ``i - W < j <= i``); ``bos_token_id`` / ``eos_token_id`` /
+``pad_token_id`` -> ``bos_token_id`` / ``eos_token_ids`` (a tuple) / ``pad_token_id``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Iterable, Optional
 
 from jax_seqpar.layers.rope import ROPE_TYPES, RopeScaling
@@ -42,15 +80,21 @@ _COMMON = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
            "tie_word_embeddings", "max_position_embeddings", "rope_theta", "rope_scaling",
            "rope_parameters", "original_max_position_embeddings", "partial_rotary_factor",
-           "hidden_act", "attention_dropout"}
-_MAPPED = {"llama": _COMMON | {"attention_bias", "mlp_bias", "pretraining_tp"},
+           "hidden_act", "attention_dropout", "rope_interleaved", "pretraining_tp"}
+_MAPPED = {"llama": _COMMON | {"attention_bias", "mlp_bias"},
            "mistral": _COMMON | {"sliding_window"},
            "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers",
                                "layer_types"}}
-#: Fields that do not change the function the model computes (metadata, generation and
-#: tokenizer settings, PretrainedConfig's generic flags).
+#: The token ids kept as ``LlamaConfig`` metadata: config.json / generation_config.json
+#: name -> ``LlamaConfig`` field.
+TOKEN_ID_FIELDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_ids",
+                   "pad_token_id": "pad_token_id"}
+#: Fields that do not change the function the model computes (names and paths, other
+#: token ids, metadata, generation and tokenizer settings, PretrainedConfig's generic
+#: flags): accepted unread.
 _HARMLESS = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-             "_name_or_path", "name_or_path", "bos_token_id", "eos_token_id", "pad_token_id",
+             "_name_or_path", "name_or_path", "_model_name_or_path", "unk_token_id",
+             "is_llama_config",
              "use_cache", "initializer_range", "output_attentions", "output_hidden_states",
              "return_dict", "use_return_dict", "torchscript", "id2label", "label2id",
              "problem_type", "tokenizer_class", "finetuning_task", "prefix", "task_specific_params",
@@ -65,6 +109,66 @@ _HARMLESS = {"architectures", "model_type", "transformers_version", "torch_dtype
              "output_scores", "return_dict_in_generate", "forced_bos_token_id",
              "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
              "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss", "cache_implementation"}
+
+
+def is_tool_block(key: str, value) -> bool:
+    """A tool's own settings, accepted unread (module docstring, kind 5): ``key`` ends in
+    ``_config``, is not a Python identifier (e.g. ``transformers.js_config``) and holds a
+    dict."""
+    return (isinstance(key, str) and key.endswith("_config") and not key.isidentifier()
+            and isinstance(value, dict))
+
+
+def _token_id(name: str, value, vocab_size: int, where: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{name}={value!r} ({where}) is not a token id in [0, {vocab_size}) "
+                         f"(vocab_size); it does not change the model: pass "
+                         f"ignore={[name]} to leave it unread")
+    return value
+
+
+def token_ids_from_hf(hf: dict, vocab_size: int, *, generation_config: Optional[dict] = None,
+                      ignore: Iterable[str] = ()) -> dict:
+    """``{"bos_token_id", "eos_token_ids", "pad_token_id"}`` (``LlamaConfig`` fields) of a
+    config.json dict ``hf``, each replaced by ``generation_config``'s (a
+    ``generation_config.json`` dict) where that gives one that is not null.  ``eos_token_id``
+    may be an int or a list (a tuple here; null: ``()``).  Each id must lie in ``[0,
+    vocab_size)``; names in ``ignore`` are not read from either dict."""
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise TypeError(f"generation_config must be a dict (generation_config.json) or None, "
+                        f"got {type(generation_config).__name__}")
+    ignore = set(ignore)
+    out = {}
+    for name, field in TOKEN_ID_FIELDS.items():
+        value, where = hf.get(name), "config.json"
+        if generation_config is not None and generation_config.get(name) is not None:
+            value, where = generation_config[name], "generation_config.json"
+        if name in ignore:
+            value = None
+        if field == "eos_token_ids":
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            out[field] = tuple(i for i in (_token_id(name, v, vocab_size, where) for v in ids)
+                               if i is not None)
+        else:
+            out[field] = _token_id(name, value, vocab_size, where)
+    return out
+
+
+def read_generation_config(path) -> Optional[dict]:
+    """The dict of ``generation_config.json`` in checkpoint directory ``path`` (or of
+    ``path`` itself when it is that file); None when there is none."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        out = json.load(f)
+    if not isinstance(out, dict):
+        raise ValueError(f"{path} holds a {type(out).__name__}, not a JSON object")
+    return out
 
 
 def _arch(hf: dict) -> str:
@@ -160,15 +264,24 @@ def _window(hf: dict, arch: str, num_layers: int):
     return (w - 1, 0)
 
 
-def config_fields_from_hf(hf: dict, *, ignore: Iterable[str] = ()) -> dict:
+def config_fields_from_hf(hf: dict, *, ignore: Iterable[str] = (),
+                          generation_config: Optional[dict] = None) -> dict:
     """The ``LlamaConfig`` fields of a transformers ``config.json`` dict (``LlamaConfig
     .from_hf`` builds the config from them, so this module never imports the model).
-    ``ignore``: names of fields known not to change the model, accepted unread."""
+
+    The module docstring says which fields are mapped, checked, kept as token ids,
+    accepted unread or refused.  ``ignore``: names of fields known not to change the
+    model, accepted unread (token ids included: then not kept).  ``generation_config``:
+    the dict of the checkpoint's ``generation_config.json`` (``read_generation_config``)
+    or None; its ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` win over
+    config.json's where not null (``token_ids_from_hf``); nothing else of it is read."""
     if not isinstance(hf, dict):
         raise TypeError(f"hf_config must be a dict (config.json), got {type(hf).__name__}")
+    ignore = set(ignore)
     arch = _arch(hf)
     mtype, default_max = ARCHITECTURES[arch]
-    unknown = sorted(set(hf) - _MAPPED[mtype] - _HARMLESS - set(ignore))
+    unknown = sorted(k for k in set(hf) - _MAPPED[mtype] - set(TOKEN_ID_FIELDS) - _HARMLESS
+                     - ignore if not is_tool_block(k, hf[k]))
     if "quantization_config" in unknown:
         raise ValueError("quantization_config: quantized checkpoints are not supported "
                          "(load a float16 / bfloat16 / float32 one)")
@@ -176,6 +289,15 @@ def config_fields_from_hf(hf: dict, *, ignore: Iterable[str] = ()) -> dict:
         raise ValueError(f"config fields {unknown} are not supported for {arch} (the "
                          f"model might depend on them); if they do not change the model, "
                          f"pass ignore={unknown}")
+    if hf.get("rope_interleaved") not in (None, False):   # even when named in ignore
+        raise ValueError(f"rope_interleaved={hf['rope_interleaved']!r} is not supported: "
+                         f"interleaved RoPE rotates adjacent pairs of each head, another "
+                         f"function of the same weights (only false: transformers' "
+                         f"rotate-half RoPE)")
+    tp = hf.get("pretraining_tp")
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise ValueError(f"pretraining_tp={tp!r} must be a positive int (transformers "
+                         f"computes the same function for every value)")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu' / "
                          f"'swish': SwiGLU)")
@@ -201,7 +323,9 @@ def config_fields_from_hf(hf: dict, *, ignore: Iterable[str] = ()) -> dict:
         window=_window(hf, arch, hf["num_hidden_layers"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=qwen or bias, attention_out_bias=bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)), max_position_embeddings=max_pos)
+        mlp_bias=bool(hf.get("mlp_bias", False)), max_position_embeddings=max_pos,
+        **token_ids_from_hf(hf, hf["vocab_size"], generation_config=generation_config,
+                            ignore=ignore))
 
 
 def replace(cfg, **overrides):
@@ -230,7 +354,9 @@ def config_to_hf(cfg, architecture: Optional[str] = None) -> dict:
     ``ValueError`` naming the field that the architecture cannot express.  RoPE is written
     in both forms (5.x's ``rope_parameters``; ``rope_theta`` / ``rope_scaling`` for 4.x).
     ``rope_scaling.seq_len`` (dynamic) has no transformers field: transformers recomputes
-    the dynamic frequencies per call (equal to ours at sequences of that length).
+    the dynamic frequencies per call (equal to ours at sequences of that length).  The
+    token ids are written as transformers writes them: ``bos_token_id``, ``pad_token_id``
+    (null when None) and ``eos_token_id`` (null, an int for one id, else a list).
     """
     arch = architecture or _choose_arch(cfg)
     if arch not in ARCHITECTURES:
@@ -284,7 +410,10 @@ def config_to_hf(cfg, architecture: Optional[str] = None) -> dict:
                hidden_act="silu", rms_norm_eps=cfg.norm_eps,
                tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=max_pos,
                rope_parameters=rope, rope_theta=float(cfg.rope_theta), rope_scaling=legacy,
-               attention_dropout=0.0, dtype=cfg.param_dtype)
+               attention_dropout=0.0, dtype=cfg.param_dtype,
+               bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
+               eos_token_id=(None if not cfg.eos_token_ids else cfg.eos_token_ids[0]
+                             if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)))
     if mtype == "llama":
         out.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
     elif mtype == "mistral":
@@ -295,4 +424,5 @@ def config_to_hf(cfg, architecture: Optional[str] = None) -> dict:
     return out
 
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf"]
+__all__ = ["ARCHITECTURES", "TOKEN_ID_FIELDS", "config_fields_from_hf", "config_to_hf",
+           "is_tool_block", "read_generation_config", "replace", "token_ids_from_hf"]

@@ -84,6 +84,13 @@ class LlamaConfig:
     ``scan_layers``: the decoder blocks as one loop over stacked parameters (the module
     docstring; ``models.stacking``); the same model, compiled once per block instead of
     once per layer.
+
+    Token ids of the checkpoint (metadata: they never change what the model computes):
+    ``bos_token_id``, ``eos_token_ids`` and ``pad_token_id``, each a token id in ``[0,
+    vocab_size)`` or None / ``()`` (``eos_token_ids`` also takes one int or a list,
+    normalised to a tuple).  ``from_hf`` fills them from config.json (and
+    generation_config.json's, which win), ``to_hf`` writes them back, and
+    ``models.generate`` stops a row at any of ``eos_token_ids`` unless told otherwise.
     """
 
     vocab_size: int
@@ -110,6 +117,9 @@ class LlamaConfig:
     mlp_bias: bool = False
     max_position_embeddings: Optional[int] = None
     scan_layers: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+    pad_token_id: Optional[int] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
@@ -159,15 +169,36 @@ class LlamaConfig:
         for name in ("attention_bias", "attention_out_bias", "mlp_bias", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        eos = self.eos_token_ids
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_ids", eos),
+                          ("pad_token_id", (self.pad_token_id,))):
+            for i in ids:
+                if i is not None and (isinstance(i, (bool, np.bool_))
+                                      or not isinstance(i, (int, np.integer))
+                                      or not 0 <= i < self.vocab_size):
+                    raise ValueError(f"{name}={getattr(self, name)!r} must hold token ids in "
+                                     f"[0, {self.vocab_size}) (vocab_size)")
+        if None in eos:
+            raise ValueError(f"eos_token_ids={self.eos_token_ids!r} must hold token ids in "
+                             f"[0, {self.vocab_size}) (vocab_size), not None")
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in eos))
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     @classmethod
-    def from_hf(cls, hf_config, *, ignore=(), **overrides) -> "LlamaConfig":
+    def from_hf(cls, hf_config, *, ignore=(), generation_config=None,
+                **overrides) -> "LlamaConfig":
         """From a transformers ``config.json`` dict (Llama, Mistral, Qwen2); ``overrides``
         replace fields afterwards (e.g. ``dtype``, ``rope_theta``, ``remat``).  Unsupported
-        fields raise a ``ValueError`` naming them (``hf_config.config_fields_from_hf``);
-        ``ignore`` names fields known not to change the model, accepted unread."""
-        return replace_fields(cls(**config_fields_from_hf(hf_config, ignore=ignore)),
-                              **overrides)
+        fields raise a ``ValueError`` naming them (``hf_config.config_fields_from_hf``,
+        whose docstring says which fields are read, accepted unread or refused);
+        ``ignore`` names fields known not to change the model, accepted unread.
+        ``generation_config``: the checkpoint's ``generation_config.json`` dict
+        (``hf_config.read_generation_config``) or None; its token ids win."""
+        return replace_fields(cls(**config_fields_from_hf(
+            hf_config, ignore=ignore, generation_config=generation_config)), **overrides)
 
     def to_hf(self, architecture: Optional[str] = None) -> dict:
         """The transformers ``config.json`` dict of this model (``hf_config.config_to_hf``):
