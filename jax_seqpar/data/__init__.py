@@ -4,7 +4,8 @@
   ``tokens``, ``segment_ids``, ``positions``, ``loss_mask`` and a ``PackingReport``.
 - ``make_iterator(folder, seq_len=..., batch_size=..., ...)``: text files -> an
   iterator of packed batches with a checkpointable state (Grain).
-- ``load_tokenizer`` / ``train_bpe`` / ``ByteTokenizer``: text -> token ids.
+- ``load_tokenizer`` / ``train_bpe`` / ``ByteTokenizer``: text -> token ids;
+  ``gguf_tokenizer``: the tokenizer in a llama.cpp GGUF file's metadata.
 - ``write_corpus(dir)``: the synthetic corpus of the tests and the demo.
 
 Only ``packing`` and ``report`` are imported eagerly; the pipeline needs ``grain`` and
@@ -22,6 +23,8 @@ _LAZY = {
     "text_dataset": "pipeline",
     "ByteTokenizer": "tokenize", "TextTokenizer": "tokenize", "load_tokenizer": "tokenize",
     "train_bpe": "tokenize", "tokenize_folder": "tokenize", "text_files": "tokenize",
+    "gguf_tokenizer": "gguf_tokenizer", "gguf_special_tokens": "gguf_tokenizer",
+    "GGUFSpecialTokens": "gguf_tokenizer",
 }
 
 

@@ -123,7 +123,8 @@ def _special(configs: list[dict], key: str, tok, where):
 
 def load_tokenizer(source, *, bos_id=None, eos_id=None, pad_id=None):
     """A tokenizer from ``source``: ``"bytes"`` (``ByteTokenizer``), a ``tokenizer.json``
-    file, or a directory holding one (a model checkpoint's folder).
+    file, a directory holding one (a model checkpoint's folder), or a llama.cpp ``.gguf``
+    file (``gguf_tokenizer.gguf_tokenizer``: its ids unless overridden here).
 
     BOS / EOS / pad come from ``tokenizer_config.json`` or ``special_tokens_map.json`` in
     the same directory (``bos_token``, ``eos_token``, ``pad_token``); the keyword
@@ -134,6 +135,15 @@ def load_tokenizer(source, *, bos_id=None, eos_id=None, pad_id=None):
     if isinstance(source, str) and source == "bytes":
         return ByteTokenizer()
     path = pathlib.Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        from jax_seqpar.data.gguf_tokenizer import gguf_tokenizer
+
+        tok = gguf_tokenizer(path)
+        ids = TextTokenizer(tok.tokenizer, bos_id=tok.bos_id if bos_id is None else bos_id,
+                            eos_id=tok.eos_id if eos_id is None else eos_id,
+                            pad_id=tok.pad_id if pad_id is None else pad_id)  # checked
+        tok.bos_id, tok.eos_id, tok.pad_id = ids.bos_id, ids.eos_id, ids.pad_id
+        return tok
     if path.is_dir():
         if (path / CONFIG_FILE).exists() and not (path / TOKENIZER_FILE).exists() and \
                 json.loads((path / CONFIG_FILE).read_text()).get("tokenizer_class") == "bytes":

@@ -28,6 +28,11 @@ buffers of older checkpoints are skipped (recomputed from the config).  A missin
 unexpected or misshapen tensor raises a ``ValueError`` naming it, its file and the
 config fields that set its shape.
 
+A llama.cpp ``.gguf`` file is one more source (``models.gguf``: ``load_pretrained`` of a
+``.gguf`` path is ``gguf.load_gguf``): its config comes from the metadata, its tensors
+are ``gguf.GGUFTensor``s (dequantized, q/k rows un-permuted, then sliced like a
+safetensors tensor, ``_read``), checked and placed by the same code (``_load_params``).
+
 ``save_pretrained`` writes ``config.json`` (``hf_config.config_to_hf``) and safetensors
 shards in transformers' names, each tensor gathered to the host on its own (all
 processes take part in the gather; only process 0 writes).
@@ -35,11 +40,13 @@ processes take part in the gather; only process 0 writes).
 Scanned layers (``scan_layers=True``, ``models.stacking``): the checkpoint keeps one tensor
 per layer (``model.layers.{i}....``), the model one ``[num_layers, ...]`` parameter under
 ``layers`` per block parameter.  ``load_pretrained(..., scan_layers=True)`` builds each
-stacked parameter directly on its sharding, still one parameter at a time: the callback of
-``jax.make_array_from_callback`` reads, for each device's slice of the stacked array,
-that slice of every layer's tensor from the file, one layer after the other, into its
-slot of the slice (no device's slice holds more than its part of each layer, and no
-device ever holds the whole stack unless its sharding says so); then the transpose /
+stacked parameter directly on its sharding, still one parameter at a time: for each
+device's slice of the stacked array (``_read_stacked``), that slice of every layer's
+tensor is read from the file into its slot of the slice, layer after layer (every
+slice's part of one layer, then the next layer: a GGUF layer is dequantized once), and
+``jax.make_array_from_callback`` hands the slices to the devices (no device's slice holds
+more than its part of each layer, and no device ever holds the whole stack unless its
+sharding says so); then the transpose /
 conversion on the devices, with the permutation moved one axis right (the layer axis
 stays first and is never split).  As for every parameter, the slices of this process's
 devices are on the host together until ``make_array_from_callback`` puts them on the
@@ -69,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 from jax_seqpar.runtime import distributed
 from jax_seqpar.sharding.fsdp import fsdp_shardings, replicated_shardings
 from jax_seqpar.models import stacking
-from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf
+from jax_seqpar.models.hf_config import ARCHITECTURES, config_to_hf, read_generation_config
 from jax_seqpar.models.llama import LAYERS, LlamaConfig
 from jax_seqpar.models.safetensors_io import (DTYPES, TensorInfo, parse_size, plan_shards,
                                               read_header, read_slice, write_file)
@@ -279,37 +286,67 @@ def _source_sharding(sharding, perm):
     return NamedSharding(sharding.mesh, P(*src))
 
 
-def _read_stacked(infos: Sequence[TensorInfo], view: Tuple[int, ...], index) -> np.ndarray:
-    """``stack([t.reshape(view) for t in tensors])[index]``: the slice ``index[1:]`` of
-    each layer that ``index[0]`` selects, read one layer at a time into its slot of the
-    output (never all layers' whole tensors)."""
-    index = tuple(index) + (slice(None),) * (len(view) + 1 - len(index))
-    layers = range(len(infos))[index[0]]
-    rest = index[1:]
-    shape = (len(layers),) + tuple(len(range(n)[i]) for n, i in zip(view, rest))
-    dtypes = {DTYPES[infos[i].dtype] for i in layers}
-    out = np.empty(shape, dtypes.pop() if len(dtypes) == 1 else np.result_type(*dtypes))
-    for slot, i in enumerate(layers):
-        out[slot] = read_slice(infos[i], view, rest)
-    return out
+def _read(info, view: Tuple[int, ...], index) -> np.ndarray:
+    """``tensor.reshape(view)[index]``: ``read_slice`` of a safetensors tensor; any other
+    source (``gguf.GGUFTensor``: ``file``, ``dtype``, ``shape`` like a ``TensorInfo``)
+    reads itself (``source.read(view, index)``)."""
+    return read_slice(info, view, index) if isinstance(info, TensorInfo) \
+        else info.read(view, index)
 
 
-def _load_tensor(infos: Sequence[TensorInfo], p: Param, sharding, dtype) -> jax.Array:
+def _release(infos) -> None:
+    """Let sources other than safetensors drop what they hold (a dequantized tensor)."""
+    for info in infos:
+        if not isinstance(info, TensorInfo):
+            info.release()
+
+
+def _key(index) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _read_stacked(infos: Sequence, view: Tuple[int, ...], indices) -> Dict[tuple, np.ndarray]:
+    """``{_key(index): stack([t.reshape(view) for t in tensors])[index]}`` for every
+    index of ``indices``: the slice ``index[1:]`` of each layer that ``index[0]`` selects,
+    read into its slot of that output, layer after layer (all slices of one layer's
+    tensor, then the next layer; never all layers' whole tensors)."""
+    jobs = []
+    for index in indices:
+        index = tuple(index) + (slice(None),) * (len(view) + 1 - len(index))
+        layers = range(len(infos))[index[0]]
+        shape = (len(layers),) + tuple(len(range(n)[i]) for n, i in zip(view, index[1:]))
+        dtypes = {DTYPES[infos[i].dtype] for i in layers}
+        out = np.empty(shape, dtypes.pop() if len(dtypes) == 1 else np.result_type(*dtypes))
+        jobs.append((_key(index), {i: slot for slot, i in enumerate(layers)}, index[1:], out))
+    for i in range(len(infos)):
+        for _, slots, rest, out in jobs:
+            if i in slots:
+                out[slots[i]] = _read(infos[i], view, rest)
+        _release(infos[i:i + 1])
+    return {key: out for key, _, _, out in jobs}
+
+
+def _load_tensor(infos: Sequence, p: Param, sharding, dtype) -> jax.Array:
     """One parameter onto ``sharding``: each device's slice read in the stored layout and
     dtype (whole rows of the file; of a stacked parameter, that slice of every layer's
-    tensor written into its slot), put on its device, then transposed and converted
-    there.  A slice that several devices share is read once."""
-    cache: Dict[tuple, np.ndarray] = {}
+    tensor written into its slot, layer by layer), put on its device, then transposed
+    and converted there.  A slice that several devices share is read once."""
     view = p.entries[0].view
+    src = _source_sharding(sharding, p.perm)
+    if p.stacked:
+        slices = _read_stacked(infos, view, {
+            _key(i): i for i in src.addressable_devices_indices_map(p.view).values()}.values())
+    else:
+        slices = {}
 
     def read(index):
-        key = tuple((s.start, s.stop, s.step) for s in index)
-        if key not in cache:
-            cache[key] = (_read_stacked(infos, view, index) if p.stacked
-                          else read_slice(infos[0], view, index))
-        return cache[key]
+        key = _key(index)
+        if key not in slices:
+            slices[key] = _read(infos[0], view, index)
+        return slices[key]
 
-    x = jax.make_array_from_callback(p.view, _source_sharding(sharding, p.perm), read)
+    x = jax.make_array_from_callback(p.view, src, read)
+    _release(infos)
     if p.perm != tuple(range(len(p.perm))) or x.dtype != dtype:
         x = _relayout(p.perm, jnp.dtype(dtype), sharding)(x)
     # wait, so that the host copies of this tensor are freed before the next one is read
@@ -321,7 +358,8 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
                     dtype: str = "bfloat16", param_dtype: str = "float32",
                     params: str = "fsdp", ignore_fields=(), parallelism=None,
                     **config_overrides):
-    """``(LlamaConfig, params)`` from a transformers checkpoint directory.
+    """``(LlamaConfig, params)`` from a transformers checkpoint directory, or from a
+    llama.cpp ``.gguf`` file (``gguf.load_gguf``, the same keyword arguments).
 
     ``dtype`` / ``param_dtype``: the model's activation and parameter dtypes (the weights
     are converted to ``param_dtype`` as they are read).  ``params``: ``"fsdp"`` places
@@ -341,16 +379,32 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     the layer axis is never split.
     """
     path = os.fspath(path)
+    if path.endswith(".gguf") and not os.path.isdir(path):   # a llama.cpp file
+        from jax_seqpar.models.gguf import load_gguf
+
+        return load_gguf(path, mesh=mesh, axis_name=axis_name, dtype=dtype,
+                         param_dtype=param_dtype, params=params, ignore_fields=ignore_fields,
+                         parallelism=parallelism, **config_overrides)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.exists(cfg_file):
         raise ValueError(f"{path}: no config.json (give a directory written by "
                          f"transformers' save_pretrained)")
     with open(cfg_file) as f:
         hf = json.load(f)
-    cfg = config_from_hf(hf, ignore=ignore_fields, dtype=dtype, param_dtype=param_dtype,
-                         **config_overrides)
+    # generation_config.json's token ids (where present) win, as in transformers' generate
+    cfg = config_from_hf(hf, ignore=ignore_fields, generation_config=read_generation_config(path),
+                         dtype=dtype, param_dtype=param_dtype, **config_overrides)
     arch = hf.get("architectures", ["?"])[0] if hf.get("architectures") else hf["model_type"]
     tensors = checkpoint_tensors(path)
+    return cfg, _load_params(cfg, tensors, arch, mesh=mesh, axis_name=axis_name,
+                             params=params, parallelism=parallelism)
+
+
+def _load_params(cfg, tensors: Dict[str, TensorInfo], arch: str, *, mesh, axis_name,
+                 params, parallelism) -> dict:
+    """``{"params": ...}`` of ``Llama(cfg)`` from ``tensors`` (``{transformers name:
+    source}``: safetensors ``TensorInfo``s or other sources, ``_read``), checked against
+    ``tensor_map(cfg)`` and placed one parameter at a time (``load_pretrained``)."""
     _check(tensors, tensor_map(cfg), cfg, arch)
     plan = param_plan(cfg)
     if parallelism is not None:
@@ -374,7 +428,7 @@ def load_pretrained(path, *, mesh: Optional[Mesh] = None, axis_name: str = "sp",
     pdt = np.dtype(jnp.dtype(cfg.param_dtype))
     flat = {k: _load_tensor([tensors[e.hf_name] for e in p.entries], p, shardings[k], pdt)
             for k, p in plan.items()}
-    return cfg, {"params": unflatten_dict(flat)}
+    return {"params": unflatten_dict(flat)}
 
 
 def _logical_shardings(cfg, mesh: Mesh, parallelism) -> dict:
