@@ -6,7 +6,9 @@
   iterator of packed batches with a checkpointable state (Grain).
 - ``load_tokenizer`` / ``train_bpe`` / ``ByteTokenizer``: text -> token ids;
   ``gguf_tokenizer``: the tokenizer in a llama.cpp GGUF file's metadata.
-- ``write_corpus(dir)``: the synthetic corpus of the tests and the demo.
+- ``write_corpus(dir)``: the synthetic corpus of the tests and the demo;
+  ``real_corpus``: long real English documents from freely licensed Debian packages
+  (``scripts/fetch_corpus.py`` fetches them; ``html_text`` turns HTML pages into text).
 
 Only ``packing`` and ``report`` are imported eagerly; the pipeline needs ``grain`` and
 the tokenizers ``tokenizers`` (the ``[train]`` extra), imported on first use.
