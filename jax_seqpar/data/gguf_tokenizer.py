@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from jax_seqpar.data.tokenize import TextTokenizer, _import_tokenizers
+from jax_seqpar.data.gguf_file import meta, open_gguf
+from jax_seqpar.data.text_tokenizer import TextTokenizer, _import_tokenizers
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -105,15 +106,11 @@ class GGUFTextTokenizer(TextTokenizer):
 
 
 def _reader(source):
-    from jax_seqpar.models.gguf import open_gguf
-
     return open_gguf(source) if not hasattr(source, "fields") else source
 
 
 def gguf_special_tokens(source) -> GGUFSpecialTokens:
     """The special tokens of a GGUF file (a path or a ``gguf.GGUFReader``)."""
-    from jax_seqpar.models.gguf import meta
-
     r = _reader(source)
     model, pre = meta(r, "tokenizer.ggml.model"), meta(r, "tokenizer.ggml.pre", "gpt-2")
     ids = {k: meta(r, f"tokenizer.ggml.{k}_token_id")
@@ -148,8 +145,6 @@ def gguf_tokenizer(source) -> GGUFTextTokenizer:
     ``TextTokenizer`` whose ``.tokenizer`` is the ``tokenizers.Tokenizer``, with
     ``bos_id`` / ``eos_id`` / ``pad_id``, ``.special`` (``GGUFSpecialTokens``) and
     ``.chat_template`` (the module docstring says how each model type is rebuilt)."""
-    from jax_seqpar.models.gguf import meta
-
     tk = _import_tokenizers()
     r = _reader(source)
     model = meta(r, "tokenizer.ggml.model")

@@ -50,6 +50,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from jax_seqpar.layers.rope import as_rope_scaling, default_inv_freq, llama3_inv_freq
+from jax_seqpar.data.gguf_file import import_gguf, meta, open_gguf  # noqa: F401 (API)
 from jax_seqpar.models import hf
 
 #: general.architecture -> the transformers architecture whose config.json it gives
@@ -84,39 +85,6 @@ _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"
 _META_LLAMA3 = dict(low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
-
-
-def import_gguf():
-    try:
-        import gguf
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError("reading GGUF files needs the `gguf` package: "
-                          "pip install 'jax_seqpar[gguf]'") from e
-    return gguf
-
-
-def open_gguf(path):
-    """A ``gguf.GGUFReader`` of ``path`` (a ``ValueError`` names a bad file)."""
-    gguf = import_gguf()
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
-    if reader.byte_order != "I":
-        raise ValueError(f"{path}: a big-endian GGUF file; only little-endian ones are read")
-    if int(meta(reader, "split.count", 1)) > 1:
-        raise ValueError(f"{path}: one of {meta(reader, 'split.count')} split GGUF files; "
-                         f"merge them first (llama.cpp's llama-gguf-split --merge)")
-    return reader
-
-
-def meta(reader, key: str, default=None):
-    """The value of metadata ``key`` (str, number, bool, or a list for an array)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _f32(x) -> float:
