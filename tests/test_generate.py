@@ -112,7 +112,11 @@ def test_stacked_prefill_holds_one_block_and_one_cache_array_per_layer():
     assert {x.shape for x in jax.tree.leaves(cache)} == {(B, 1024, 2, CFG.head_dim)}
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     temp = {k: lo.compile().memory_analysis().temp_size_in_bytes for k, lo in lowered.items()}
-    assert temp["stacked"] - temp["unrolled"] < cache_bytes / 2, (temp, cache_bytes)
+    # never a stacked copy of the whole cache; JAX 0.11+'s XLA adds under half of one
+    # (JAX 0.10.2's: 0.58 of it, 734104 vs 125704 bytes against a 1048576-byte cache)
+    old_xla = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11)
+    bound = cache_bytes if old_xla else cache_bytes / 2
+    assert temp["stacked"] - temp["unrolled"] < bound, (temp, cache_bytes)
 
 
 def test_hf_reference_checkpoints_generate_like_transformers():
