@@ -97,7 +97,7 @@ def load_only(args) -> dict:
     import jax
     from jax.sharding import AxisType
 
-    from jax_seqpar.models import hf
+    from jax_seqpar.models import hf, param_stream
     from _util import env_info, peak_memory_bytes
 
     on_cpu = jax.default_backend() == "cpu"
@@ -114,14 +114,14 @@ def load_only(args) -> dict:
             transient[0] = max(transient[0], rss_bytes() - base - loaded[0])
             time.sleep(0.002)
 
-    inner = hf._load_tensor
+    inner = param_stream._load_tensor
 
     def counting(info, e, sharding, dtype):   # count each tensor once it is on its devices
         arr = jax.block_until_ready(inner(info, e, sharding, dtype))
         loaded[0] += sum(s.data.nbytes for s in arr.addressable_shards) if on_cpu else 0
         return arr
 
-    hf._load_tensor = counting
+    param_stream._load_tensor = counting
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def load_only(args) -> dict:
     load_s = time.perf_counter() - t0
     stop.set()
     thread.join()
-    hf._load_tensor = inner
+    param_stream._load_tensor = inner
     leaves = jax.tree.leaves(params)
     largest = max(leaves, key=lambda x: x.size)
     per_dev = sum(s.data.nbytes for x in leaves for s in x.addressable_shards

@@ -571,7 +571,7 @@ def test_scanned_fsdp_placement_streams_and_saves_the_same_files(tmp_path, monke
     written into its slot), values ``stack_layers`` of what was saved; replicated too.
     ``save_pretrained`` of the scanned parameters writes the same files, byte for byte, as
     saving the unrolled ones (one layer gathered at a time)."""
-    import jax_seqpar.models.hf as hf
+    import jax_seqpar.models.param_stream as param_stream
     from jax_seqpar.models.stacking import stack_layers
 
     cfg = LlamaConfig(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -579,7 +579,7 @@ def test_scanned_fsdp_placement_streams_and_saves_the_same_files(tmp_path, monke
     params = random_params(cfg, 3)
     save_pretrained(cfg, params, tmp_path / "unrolled", max_shard_size="300KB")
     reads = []
-    real_read = hf.read_slice
+    real_read = param_stream.read_slice
 
     def spy(info, view=None, index=()):
         out = real_read(info, view, index)
@@ -587,11 +587,11 @@ def test_scanned_fsdp_placement_streams_and_saves_the_same_files(tmp_path, monke
                       int(np.prod(info.shape))))
         return out
 
-    monkeypatch.setattr(hf, "read_slice", spy)
+    monkeypatch.setattr(param_stream, "read_slice", spy)
     mesh = auto_mesh()
     loaded_cfg, scanned = load_pretrained(tmp_path / "unrolled", mesh=mesh, dtype="float32",
                                           scan_layers=True)
-    monkeypatch.setattr(hf, "read_slice", real_read)
+    monkeypatch.setattr(param_stream, "read_slice", real_read)
     assert loaded_cfg == dataclasses.replace(cfg, scan_layers=True)
     want = stack_layers(params)
     shardings = fsdp_shardings(want, mesh, "sp")

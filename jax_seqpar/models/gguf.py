@@ -1,5 +1,5 @@
 """llama.cpp GGUF files into ``models.Llama``: the config from the metadata, the weights
-dequantized and streamed onto their shardings one tensor at a time (``hf.py``'s loader).
+dequantized and streamed onto their shardings one tensor at a time (``param_stream``).
 
     cfg, params = load_gguf("Llama-3.2-1B-Q4_K_M.gguf", mesh=mesh)  # = hf.load_pretrained
     tok = gguf_tokenizer("Llama-3.2-1B-Q4_K_M.gguf")             # data/gguf_tokenizer.py
@@ -12,7 +12,7 @@ tensor is).  Transformers' ``W [out, in]`` is stored with ``ne = (in, out)``:
 
 **Config** (``hf_config_dict``): ``general.architecture`` ``llama`` (Llama 1-3, Mistral)
 or ``qwen2``; the ``{arch}.*`` keys of llama.cpp's ``convert_hf_to_gguf.py`` become
-config.json fields (``_KEYS``) for ``hf.config_from_hf``, so ``ignore_fields`` and
+config.json fields (``_KEYS``) for ``LlamaConfig.from_hf``, so ``ignore_fields`` and
 overrides work as for a checkpoint directory; any other ``{arch}.*`` key is refused by
 name (e.g. Mixtral's ``llama.expert_count``).  ``attention.key_length`` is ``head_dim``;
 ``rope.dimension_count`` below it (partial RoPE) is refused.  RoPE scaling:
@@ -36,7 +36,7 @@ NeoX RoPE, transformers' pairs) is not permuted.
 **Dequantization**: ``gguf.quants.dequantize`` (gguf-py's NumPy ggml block formats,
 ``QUANT_TYPES``) to float32; F32 / F16 / BF16 are sliced from the memory map as stored.
 A ``GGUFTensor`` dequantizes (and un-permutes) its whole tensor once per load, at the
-first device slice, and drops it once the parameter is placed (``hf._load_tensor``;
+first device slice, and drops it once the parameter is placed (``param_stream._load_tensor``;
 stacked layers one after the other): the host holds about one float32 tensor more than
 for safetensors.
 """
@@ -51,7 +51,9 @@ import numpy as np
 
 from jax_seqpar.layers.rope import as_rope_scaling, default_inv_freq, llama3_inv_freq
 from jax_seqpar.data.gguf_file import import_gguf, meta, open_gguf  # noqa: F401 (API)
-from jax_seqpar.models import hf
+from jax_seqpar.models import param_stream
+from jax_seqpar.models.llama import LlamaConfig
+from jax_seqpar.models.safetensors_io import DTYPES
 
 #: general.architecture -> the transformers architecture whose config.json it gives
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -144,7 +146,7 @@ class GGUFTensor:
             if self.dtype == "F32" and self.qtype.name != "F32":
                 x = import_gguf().quants.dequantize(self._data, self.qtype)
             elif self.dtype == "BF16":
-                x = self._data.view(hf.DTYPES["BF16"])
+                x = self._data.view(DTYPES["BF16"])
             else:
                 x = self._data
             x = x.reshape(self.shape)
@@ -270,7 +272,7 @@ def hf_config_dict(reader, *, ignore=(), overrides=None) -> Tuple[dict, str]:
 def _config(reader, ignore_fields, overrides):
     ignore = tuple(ignore_fields)
     d, arch = hf_config_dict(reader, ignore=ignore, overrides=overrides)
-    return hf.config_from_hf(d, ignore=ignore, **overrides), arch
+    return LlamaConfig.from_hf(d, ignore=ignore, **overrides), arch
 
 
 def gguf_config(path, *, ignore_fields=(), **overrides):
@@ -310,12 +312,12 @@ def load_gguf(path, *, mesh=None, axis_name: str = "sp", dtype: str = "bfloat16"
     cfg, arch = _config(reader, ignore_fields,
                         dict(dtype=dtype, param_dtype=param_dtype, **config_overrides))
     tensors = gguf_tensors(reader, cfg, arch)
-    for e in hf.tensor_map(cfg).values():
+    for e in param_stream.tensor_map(cfg).values():
         if e.hf_name not in tensors:
             raise ValueError(f"tensor {gguf_name(e.hf_name)} ({e.hf_name}) is missing from "
                              f"{os.path.basename(os.fspath(path))} ({arch}, "
-                             f"{cfg.num_layers} layers); {hf._hint(e.hf_name, cfg)}")
-    return cfg, hf._load_params(cfg, tensors, f"{arch} GGUF", mesh=mesh, axis_name=axis_name,
+                             f"{cfg.num_layers} layers); {param_stream._hint(e.hf_name, cfg)}")
+    return cfg, param_stream._load_params(cfg, tensors, f"{arch} GGUF", mesh=mesh, axis_name=axis_name,
                                 params=params, parallelism=parallelism)
 
 
