@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from jax_seqpar.data.real_corpus import slug
-from _util import pyplot
+from _util import accuracy_heatmap, pyplot
 
 
 def _ppl_axes(ax, trained, longest, title):
@@ -53,18 +53,9 @@ def plot(results, a, trained, out) -> list:
             _ppl_axes(ax, trained, longest, f"perplexity by position: {v['name']}")
             _save(plt, fig, os.path.join(out, f"ppl_{name}.png"), written)
         if v["passkey_accuracy"]:
-            grid = np.asarray(v["passkey_accuracy"])
-            fig, ax = plt.subplots(figsize=(1.4 + 0.9 * len(a.depths),
-                                            1.2 + 0.45 * len(a.lengths)))
-            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(a.depths)), [f"{d:.2f}" for d in a.depths])
-            ax.set_yticks(range(len(a.lengths)), [str(n) for n in a.lengths])
-            ax.set_xlabel("pass key depth (0 = start of the text)")
-            ax.set_ylabel("prompt length (tokens)")
-            for (i, j), x in np.ndenumerate(grid):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=8)
-            fig.colorbar(im, ax=ax, label="accuracy")
-            ax.set_title(f"passkey retrieval: {v['name']}")
+            fig = accuracy_heatmap(plt, v["passkey_accuracy"], a.depths, a.lengths,
+                                   xlabel="pass key depth (0 = start of the text)",
+                                   title=f"passkey retrieval: {v['name']}")
             _save(plt, fig, os.path.join(out, f"passkey_{name}.png"), written)
     if len(results) > 1 and all(v["perplexity"] for v in results):
         fig, ax = plt.subplots(figsize=(6.5, 4))

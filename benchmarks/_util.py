@@ -209,3 +209,22 @@ class ClockSampler:
             return {"n": 0}
         return {"sm_mhz": statistics.fmean(m for m, _ in xs),
                 "power_w": statistics.fmean(w for _, w in xs), "n": len(xs)}
+
+
+def accuracy_heatmap(plt, grid, depths, lengths, *, xlabel: str, title: str):
+    """A length x depth accuracy grid (rows: ``lengths``, columns: ``depths``), each
+    cell written in; returns the figure (the caller saves it)."""
+    import numpy as np
+
+    grid = np.asarray(grid)
+    fig, ax = plt.subplots(figsize=(1.3 + 0.9 * len(depths), 1.1 + 0.5 * len(lengths)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("prompt length (tokens)")
+    for (i, j), x in np.ndenumerate(grid):
+        ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=ax, label="accuracy")
+    ax.set_title(title)
+    return fig

@@ -37,7 +37,7 @@ from jax.sharding import AxisType  # noqa: E402
 from jax_seqpar.data.recall import TASK_FILE, RecallTask  # noqa: E402
 from jax_seqpar.models import Llama, generate  # noqa: E402
 from jax_seqpar.models.hf import load_pretrained  # noqa: E402
-from _util import env_info, out_dir, pyplot, save_json  # noqa: E402
+from _util import accuracy_heatmap, env_info, out_dir, pyplot, save_json  # noqa: E402
 
 NEEDLE = " The special magic number is {}. "
 QUESTION = " What is the special magic number? The special magic number is"
@@ -158,16 +158,9 @@ def main(argv=None):
     save_json(result, os.path.join(out, f"{a.name}.json"))
     plt = pyplot()
     if plt is not None:
-        fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(a.depths), 1.0 + 0.5 * len(a.lengths)))
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(a.depths)), [f"{d:.2f}" for d in a.depths])
-        ax.set_yticks(range(len(a.lengths)), [str(n) for n in a.lengths])
-        ax.set_xlabel("needle depth (0 = start of the prompt)")
-        ax.set_ylabel("prompt length (tokens)")
-        for (r, c), v in np.ndenumerate(grid):
-            ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        fig.colorbar(im, ax=ax, label="accuracy")
-        ax.set_title(f"needle in a haystack ({task}, {G} devices)")
+        fig = accuracy_heatmap(plt, grid, a.depths, a.lengths,
+                               xlabel="needle depth (0 = start of the prompt)",
+                               title=f"needle in a haystack ({task}, {G} devices)")
         fig.tight_layout()
         fig.savefig(os.path.join(out, f"{a.name}.png"), dpi=120)
         print(f"wrote {os.path.join(out, a.name)}.{{json,png}}")

@@ -29,12 +29,8 @@ along the sequence over ``mesh[axis_name]`` for its whole life (never gathered):
   The loop over new tokens is one ``lax.while_loop`` inside one ``jax.jit``; the host
   sees tokens only at the end, unless ``callback`` streams them.
 
-Stopping: by default (``eos_id="model"``) a row stops at any of the model's
-``config.eos_token_ids`` (from the checkpoint's config.json / generation_config.json, as
-transformers' ``generate`` stops at its generation config's ``eos_token_id``); an int or
-a sequence of ints stops at those instead, ``None`` never stops.  A stopped row's later
-positions hold the first of its stop ids, and the token loop ends once every row has
-stopped.
+Stopping (``models.stopping``): by default at the model's ``config.eos_token_ids``, as
+transformers does; the token loop ends once every row has stopped.
 
 Ragged prompts: ``prompts [B, P]`` is right-padded and row ``b``'s prompt is
 ``prompts[b, :prompt_lengths[b]]``.  Every row prefills ``P`` positions; the padding's
@@ -162,7 +158,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -174,59 +170,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_seqpar.runtime import _compat
 from jax_seqpar.decode import decode_kernel_name
 from jax_seqpar.layouts import permutation
-from jax_seqpar.models.llama import LAYERS, Llama, LlamaConfig, LlamaParts
+from jax_seqpar.models.llama import Llama, LlamaConfig, LlamaParts
 from jax_seqpar.models.sampling import check_sampling, sample_logits
-from jax_seqpar.models.stacking import is_scanned, layer_key, num_layers, unstack_layers
+from jax_seqpar.models.stacking import is_scanned, num_layers, unstack_layers
 from jax_seqpar.models.generate_local import (  # noqa: F401  (CACHE_ALIGN re-exported)
     CACHE_ALIGN, DECODE_STRATEGIES, GenerationPlan, _decode_local, _prefill_local, make_plan)
 from jax_seqpar.models.tensor_split import TensorSplit
-from jax_seqpar.sharding.parallelism import Parallelism
-from jax_seqpar.sharding.specs import (AxisRole, axis_tuple, kv_head_repeats, normalize_role,
-                                       role_size)
-
-# ----------------------------------------------------------------- end of sequence
-
-#: ``eos_id``'s default: stop at the model's ``config.eos_token_ids`` (none: never stop).
-EOS_FROM_MODEL = "model"
-#: What ``eos_id`` takes: ``"model"``, None, a token id or a sequence of token ids.
-EosArg = Union[str, None, int, Sequence[int]]
-
-
-def eos_ids_for(eos_id: EosArg, config: LlamaConfig) -> tuple:
-    """The token ids that stop a row, as a tuple (``()``: no row stops), for ``eos_id``:
-    ``"model"`` -> ``config.eos_token_ids``; None -> ``()``; an int or a sequence of ints
-    -> those, each checked to lie in ``[0, config.vocab_size)`` (a ``ValueError`` naming
-    ``eos_id``), duplicates dropped (the first stays first: it fills stopped rows)."""
-    V = config.vocab_size
-
-    def bad(what):
-        return ValueError(f"eos_id={eos_id!r} {what}; eos_id takes a token id in [0, {V}) "
-                          f"(vocab_size), a sequence of them, None (never stop) or "
-                          f"{EOS_FROM_MODEL!r} (the model's eos_token_ids, the default)")
-    if isinstance(eos_id, str):
-        if eos_id != EOS_FROM_MODEL:
-            raise bad("is not a recognised option")
-        return tuple(config.eos_token_ids)
-    if eos_id is None:
-        return ()
-    many = isinstance(eos_id, (Sequence, np.ndarray))
-    ids = np.asarray(eos_id).reshape(-1).tolist() if isinstance(eos_id, np.ndarray) \
-        else list(eos_id) if many else [eos_id]
-    for i in ids:
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) \
-                or not 0 <= i < V:
-            raise bad(f"holds {i!r}, which is not a token id in [0, {V})" if many
-                      else f"is not a token id in [0, {V})")
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
-def without_token_ids(config: LlamaConfig) -> LlamaConfig:
-    """``config`` without its token ids (metadata that the programs never read)."""
-    if config.bos_token_id is None and not config.eos_token_ids \
-            and config.pad_token_id is None:
-        return config
-    return dataclasses.replace(config, bos_token_id=None, eos_token_ids=(), pad_token_id=None)
-
+from jax_seqpar.models.stopping import (EOS_FROM_MODEL, EosArg, eos_ids_for,  # noqa: F401
+                                        without_token_ids)
+from jax_seqpar.models.generate_specs import (_attention_axis, _path_keys, _split_axes,
+                                              _tensor_param_specs)
+from jax_seqpar.sharding.specs import AxisRole, kv_head_repeats, role_size
 
 # ------------------------------------------------------------------- compiled programs
 
@@ -530,68 +484,6 @@ def _resolve_mesh(model, mesh, axis_name):
         raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh "
                          f"(mesh.axis_names={mesh.axis_names})")
     return mesh, axis_name, None
-
-
-def _path_keys(path) -> tuple:
-    """A parameter's path as a tuple of names, without a leading ``"params"``."""
-    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
-    return keys[1:] if keys[:1] == ("params",) else keys
-
-
-def _attention_axis(sequence: AxisRole, tensor: AxisRole, heads_split: bool) -> AxisRole:
-    """The sequence axes, and after them the tensor axes when those do not split the
-    heads (``Parallelism.tensor_as_sequence``'s order: sequence major)."""
-    if heads_split or tensor is None:
-        return sequence
-    return normalize_role(axis_tuple(sequence) + axis_tuple(tensor))
-
-
-def _split_axes(mesh, axes) -> AxisRole:
-    """``axes`` without those of one device (they split nothing), normalized."""
-    return normalize_role(tuple(a for a in axis_tuple(axes) if mesh.shape[a] > 1))
-
-
-@functools.lru_cache(maxsize=16)
-def _tensor_param_specs(config: LlamaConfig, mesh: Mesh, par: Parallelism,
-                        head_axis: AxisRole) -> tuple:
-    """``((path, PartitionSpec), ...)``: the model's ``param_shardings`` with only the
-    tensor axes kept (the fsdp / sequence / data splits are gathered once, for good:
-    decoding would otherwise gather every weight at every token), for the blocks in both
-    forms (``_both_forms``), whichever form the config's ``scan_layers`` builds."""
-    if head_axis is None:
-        return ()
-    tensor = axis_tuple(head_axis)
-    model = Llama(config, mesh=mesh, parallelism=par)
-    rows = role_size(mesh, par.batch_axes)
-    width = 2 * role_size(mesh, par.sequence) * role_size(mesh, head_axis)
-    shardings = model.param_shardings(jax.random.key(0), jnp.zeros((rows, width), jnp.int32))
-    out = []
-    for path, sh in jax.tree_util.tree_flatten_with_path(shardings)[0]:
-        dims = []
-        for entry in sh.spec:
-            kept = tuple(a for a in axis_tuple(entry) if a in tensor)
-            if kept and kept != tensor:
-                raise NotImplementedError(
-                    f"{jax.tree_util.keystr(path)} is split over {kept!r}, part of the "
-                    f"tensor axes {tensor!r}: generation splits a weight over all of "
-                    f"them or none")
-            dims.append(normalize_role(kept))
-        out.append((_path_keys(path), P(*dims)))
-    return _both_forms(tuple(out), config.num_layers)
-
-
-def _both_forms(entries: tuple, layers: int) -> tuple:
-    """``entries`` (``((path, PartitionSpec), ...)`` of one parameter form) with the
-    blocks' entries of the other form (``models.stacking``) added: ``("layers", *rest)``
-    split like ``("layer_i", *rest)`` behind its layer axis, which is never split."""
-    table = dict(entries)
-    for keys, spec in entries:
-        if keys[:1] == (LAYERS,):
-            for i in range(layers):
-                table.setdefault((layer_key(i),) + keys[1:], P(*tuple(spec)[1:]))
-        elif keys[:1] == (layer_key(0),):
-            table.setdefault((LAYERS,) + keys[1:], P(None, *spec))
-    return tuple(table.items())
 
 
 def generator_for(model: Llama, prompts_shape, max_new_tokens: int, *, mesh=None,
