@@ -144,18 +144,24 @@ def make_mesh(devices):
                          axis_types=(AxisType.Auto,))
 
 
+def haystack_documents(docs: Documents, tokens: int, tokenizer) -> list:
+    """The documents of ``haystack(docs, tokens, tokenizer)``, in its order."""
+    sep, used, n = len(tokenizer.encode("\n\n")), [], 0
+    for i in docs.order[::-1]:
+        used.append(int(i))
+        n += len(docs.tokens(i)) + sep
+        if n >= tokens:
+            break
+    return used
+
+
 def haystack(docs: Documents, tokens: int, tokenizer) -> np.ndarray:
     """At least ``tokens`` tokens of the corpus: documents in the reverse of their
     seeded order (the perplexity rows take theirs from the front), joined by a blank
     line; the whole corpus when it is shorter."""
     sep = np.asarray(tokenizer.encode("\n\n"), np.int32)
-    parts, n = [], 0
-    for i in docs.order[::-1]:
-        parts += [docs.tokens(i), sep]
-        n += len(parts[-2]) + len(sep)
-        if n >= tokens:
-            break
-    return np.concatenate(parts)
+    return np.concatenate([x for i in haystack_documents(docs, tokens, tokenizer)
+                           for x in (docs.tokens(i), sep)])
 
 
 def run_perplexity(model, params, docs, length, a, sep_id):
@@ -241,6 +247,8 @@ def evaluate(a, cfg, params, tokenizer, mesh, variants) -> dict:
     prompter = None
     if a.passkey_samples:
         hay = haystack(docs, 2 * max(a.lengths), tokenizer)
+        hay_docs = [docs.name(i) for i in haystack_documents(docs, 2 * max(a.lengths),
+                                                             tokenizer)]
         render = None if a.no_chat else chat_renderer(tokenizer)
         prompter = PasskeyPrompts(tokenizer, hay, render)
         prompts = {L: passkey_prompts(prompter, L, a) for L in a.lengths}
@@ -278,7 +286,8 @@ def evaluate(a, cfg, params, tokenizer, mesh, variants) -> dict:
         results.append(res)
     return {"variants": results,
             "passkey_template_tokens": None if prompter is None else
-            [len(prompter.head), len(prompter.tail)]}
+            [len(prompter.head), len(prompter.tail)],
+            "passkey_haystack_documents": None if prompter is None else hay_docs}
 
 
 def parser():

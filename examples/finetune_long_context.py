@@ -2,9 +2,10 @@
 
 What a long-context fine-tuning run does, end to end, with the library's parts:
 
-1. **Model.** ``--checkpoint DIR`` loads a transformers checkpoint (``models.hf.
-   load_pretrained``: streamed onto FSDP shardings over all devices); without it, a small
-   random model (``--d-model``, ``--layers``, ...) stands in.
+1. **Model.** ``--checkpoint DIR`` loads a transformers checkpoint, ``--checkpoint
+   FILE.gguf`` a llama.cpp file (``models.hf.load_pretrained``: streamed onto FSDP
+   shardings over all devices; a GGUF's quantized tensors dequantized); without it, a
+   small random model (``--d-model``, ``--layers``, ...) stands in.
 2. **Context extension.**  ``--rope-theta`` (one value, or one per stage: LWM raises the
    base with every stage) and/or ``--rope-scaling TYPE:FACTOR`` (``linear``, ``dynamic``,
    ``yarn``, ``llama3``; scaled from the checkpoint's ``max_position_embeddings``, or for
@@ -12,9 +13,10 @@ What a long-context fine-tuning run does, end to end, with the library's parts:
    ``--steps`` steps at each sequence length in turn (progressive extension, as LWM).
 3. **Data.**  Text files under ``--data DIR`` (one document per file; without
    ``--data``, the repository's synthetic demo corpus, ``data.write_corpus``), tokenised
-   with the checkpoint's ``tokenizer.json`` (or ``--tokenizer``; else a small BPE trained
-   on the files), packed into ``[batch, seq_len]`` rows with segment ids and positions
-   restarting at every document (``data.make_iterator``, Grain).
+   with the checkpoint's tokenizer (its ``tokenizer.json`` or the GGUF's metadata; or
+   ``--tokenizer``; else a small BPE trained on the files), packed into ``[batch,
+   seq_len]`` rows with segment ids and positions restarting at every document
+   (``data.make_iterator``, Grain).  ``--batch`` takes one value or one per stage.
 4. **Training.**  The sequence is split over all devices (8 simulated CPU devices by
    default; the GPUs when present) with ring attention under ``--layout``;
    ``training.make_train_step`` runs ``next_token_loss`` with the batch's segment ids and
@@ -33,7 +35,8 @@ What a long-context fine-tuning run does, end to end, with the library's parts:
 6. **Output.**  A progress bar, ``<out>/finetune_log.json`` (loss, accuracy and tokens per
    second per logged step, the packing report of each stage), ``<out>/loss.png``, and with
    ``--export DIR`` a transformers checkpoint (``models.hf.save_pretrained``) with its
-   tokenizer, which ``load_pretrained`` and transformers' ``from_pretrained`` read.
+   tokenizer (its chat template included), which ``load_pretrained`` and transformers'
+   ``from_pretrained`` read.
 
     python examples/finetune_long_context.py                       # CPU demo, < 1 minute
     python examples/finetune_long_context.py --checkpoint ~/Llama-3.2-1B --data ~/texts \\
@@ -69,7 +72,8 @@ def float_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=None,
-                   help="transformers checkpoint directory (default: a random small model)")
+                   help="transformers checkpoint directory or a llama.cpp .gguf file "
+                        "(default: a random small model)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or its directory, or 'bytes' (default: the "
                         "checkpoint's, else a BPE trained on --data)")
@@ -80,7 +84,8 @@ def parse_args(argv=None):
                    help="sequence length of each stage, comma-separated")
     p.add_argument("--steps", type=int_list, default=[12, 8],
                    help="optimizer steps per stage (one number: every stage)")
-    p.add_argument("--batch", type=int, default=2, help="rows per (global) batch")
+    p.add_argument("--batch", type=int_list, default=[2],
+                   help="rows per (global) batch: one number, or one per stage")
     p.add_argument("--rope-theta", type=float_list, default=None,
                    help="RoPE base: one value or one per stage (default: the checkpoint's; "
                         "10000 for a random model)")
@@ -107,6 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--bpe-vocab", type=int, default=512,
                    help="vocabulary of the BPE trained when there is no tokenizer")
     p.add_argument("--window", type=int, default=64, help="documents packed together")
+    p.add_argument("--bos", default="auto", choices=["auto", "yes", "no"],
+                   help="start every document with the tokenizer's BOS (auto: as llama.cpp "
+                        "would for a GGUF checkpoint, its tokenizer.ggml.add_bos_token; "
+                        "yes otherwise); each ends with its EOS")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 2e-5 for a checkpoint, 3e-3 random)")
     p.add_argument("--warmup", type=int, default=4)
@@ -135,6 +144,11 @@ def parse_args(argv=None):
     if len(a.steps) != len(a.stages) or min(a.steps) < 1:
         p.error(f"--steps={a.steps} must be one positive number or one per stage "
                 f"({len(a.stages)} stages)")
+    if len(a.batch) == 1:
+        a.batch = a.batch * len(a.stages)
+    if len(a.batch) != len(a.stages) or min(a.batch) < 1:
+        p.error(f"--batch={a.batch} must be one positive number or one per stage "
+                f"({len(a.stages)} stages)")
     if a.rope_theta is not None:
         if len(a.rope_theta) == 1:
             a.rope_theta = a.rope_theta * len(a.stages)
@@ -147,7 +161,7 @@ def parse_args(argv=None):
             a.rope_scaling = (kind, float(factor))
         except ValueError:
             p.error(f"--rope-scaling={a.rope_scaling!r} must be TYPE:FACTOR, e.g. yarn:4")
-    for name in ("batch", "save_every", "keep", "log_every", "window"):
+    for name in ("save_every", "keep", "log_every", "window"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be positive")
     a.ckpt_dir = a.ckpt_dir or os.path.join(a.out, "ckpt")
@@ -177,6 +191,7 @@ from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 from jax_seqpar.data import load_tokenizer, make_iterator, train_bpe, write_corpus  # noqa
 from jax_seqpar.data.tokenize import read_text, text_files  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
+from jax_seqpar.models.gguf import gguf_config  # noqa: E402
 from jax_seqpar.models.hf import load_pretrained, save_pretrained  # noqa: E402
 from jax_seqpar.models.stacking import to_form  # noqa: E402
 from jax_seqpar.parallel.comm_time import Link  # noqa: E402
@@ -191,6 +206,10 @@ say = print if LEAD else (lambda *args, **kw: None)
 
 
 # --------------------------------------------------------------------------- setup
+def is_gguf(path) -> bool:
+    return str(path).endswith(".gguf") and os.path.isfile(path)
+
+
 def data_folder(a) -> str:
     """``--data``, or the demo corpus written (once) under ``<out>/corpus``."""
     if a.data is not None:
@@ -206,6 +225,16 @@ def data_folder(a) -> str:
     return folder
 
 
+def document_bos(a) -> bool:
+    """``--bos``: whether the packer starts each document with BOS."""
+    if a.bos != "auto":
+        return a.bos == "yes"
+    if a.checkpoint and is_gguf(a.checkpoint):
+        from jax_seqpar.data.gguf_tokenizer import gguf_special_tokens
+        return gguf_special_tokens(a.checkpoint).add_bos
+    return True
+
+
 def choose_tokenizer(a, data):
     """The run's tokenizer, kept in ``<ckpt-dir>/tokenizer`` so that a resumed run (and
     the export) uses exactly the one the run started with."""
@@ -214,6 +243,8 @@ def choose_tokenizer(a, data):
         return load_tokenizer(kept), "kept from the first run"
     if a.tokenizer is not None:
         tok, how = load_tokenizer(a.tokenizer), a.tokenizer
+    elif a.checkpoint and is_gguf(a.checkpoint):
+        tok, how = load_tokenizer(a.checkpoint), "the GGUF file's tokenizer"
     elif a.checkpoint and os.path.exists(os.path.join(a.checkpoint, "tokenizer.json")):
         tok, how = load_tokenizer(a.checkpoint), "the checkpoint's tokenizer.json"
     else:
@@ -242,11 +273,15 @@ def rope_scaling_for(a, original: int, seq_len: int):
 def base_config(a, vocab_size):
     """``(config of the starting model, its trained context)``, before the stages' RoPE."""
     dtype = a.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    if a.checkpoint:
+    if a.checkpoint and is_gguf(a.checkpoint):
+        cfg = gguf_config(a.checkpoint, dtype=dtype, param_dtype="float32", remat=a.remat,
+                          scan_layers=a.scan_layers)
+    elif a.checkpoint:
         with open(os.path.join(a.checkpoint, "config.json")) as f:
             hf = json.load(f)
         cfg = LlamaConfig.from_hf(hf, dtype=dtype, param_dtype="float32", remat=a.remat,
                                   scan_layers=a.scan_layers)
+    if a.checkpoint:
         if vocab_size > cfg.vocab_size:
             raise SystemExit(f"the tokenizer has {vocab_size} tokens but the checkpoint's "
                              f"vocab_size is {cfg.vocab_size}: pass --tokenizer (the "
@@ -276,7 +311,7 @@ def initial_state(a, model, optimizer, key, abstract):
     """A fresh train state: the checkpoint's weights (or a random init) and a new optimizer
     state, on ``abstract``'s shardings."""
     if not a.checkpoint:
-        return init_train_state(model, optimizer, key, (a.batch, a.stages[0]))
+        return init_train_state(model, optimizer, key, (a.batch[0], a.stages[0]))
     c = model.config
     _, params = load_pretrained(a.checkpoint, mesh=model.mesh, dtype=c.dtype,
                                 parallelism=model.parallelism,
@@ -300,7 +335,7 @@ def build_mesh(a, cfg, G):
     if a.mesh is None:
         return jax.make_mesh((G,), ("sp",), devices=devices, axis_types=(AxisType.Auto,)), None
     if a.mesh == "auto":
-        choice = choose_mesh(cfg, seq_len=max(a.stages), global_batch=a.batch,
+        choice = choose_mesh(cfg, seq_len=max(a.stages), global_batch=min(a.batch),
                              devices_per_node=G, intra_link=Link(450e9, 5e-6),
                              device_memory=141e9, device_flops=989e12,
                              remat="none" if a.remat == "none" else "full",
@@ -315,7 +350,7 @@ def build_mesh(a, cfg, G):
     if math.prod(sizes.values()) != G:
         raise SystemExit(f"--mesh {a.mesh}: the sizes multiply to {math.prod(sizes.values())}, "
                          f"not the {G} devices (--devices)")
-    if a.batch % (sizes["data"] * sizes["fsdp"]):
+    if any(b % (sizes["data"] * sizes["fsdp"]) for b in a.batch):
         raise SystemExit(f"--batch {a.batch} must divide by data x fsdp = "
                          f"{sizes['data'] * sizes['fsdp']}")
     return make_mesh(sizes, devices)
@@ -339,6 +374,7 @@ def main():
         raise SystemExit(f"--devices={G} but JAX sees {jax.device_count()} devices")
     data = data_folder(a)
     tokenizer, tok_how = choose_tokenizer(a, data)
+    add_bos = document_bos(a)
     cfg, original = base_config(a, tokenizer.vocab_size)
     mesh, par = build_mesh(a, cfg, G)
     seq = G if par is None else par.sizes(mesh)["sequence"]
@@ -360,16 +396,17 @@ def main():
                             optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
     key = jax.random.key(a.seed)
     # The parameters do not depend on the sequence length or RoPE: one state for all stages.
-    abstract = abstract_train_state(models[0], optimizer, key, (a.batch, a.stages[0]))
+    abstract = abstract_train_state(models[0], optimizer, key, (a.batch[0], a.stages[0]))
     n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     say(f"devices: {G} x {jax.devices()[0].device_kind} ({jax.default_backend()}), JAX "
         f"{jax.__version__}, {INFO.process_count} process(es); layout={a.layout}, "
         f"backward={a.backward}, remat={a.remat}, dtype={cfg.dtype}, "
         f"scan_layers={cfg.scan_layers}")
     say(f"model: {a.checkpoint or 'random init'}, {n_params:,} parameters; tokenizer: "
-        f"{tok_how}, {tokenizer.vocab_size} tokens; data: {data}")
+        f"{tok_how}, {tokenizer.vocab_size} tokens; data: {data} (BOS per document: "
+        f"{'yes' if add_bos else 'no'})")
     for i, c in enumerate(configs):
-        say(f"stage {i + 1}: {a.steps[i]} steps of {a.batch} x {a.stages[i]} tokens, "
+        say(f"stage {i + 1}: {a.steps[i]} steps of {a.batch[i]} x {a.stages[i]} tokens, "
             f"rope_theta={c.rope_theta:g}, rope_scaling="
             f"{c.rope_scaling.to_dict() if c.rope_scaling else None}")
 
@@ -399,8 +436,9 @@ def main():
             todo = [s for s in steps if first <= s + 1 <= last]
             if not todo:
                 continue
-            it = make_iterator(data, seq_len=a.stages[i], batch_size=a.batch,
+            it = make_iterator(data, seq_len=a.stages[i], batch_size=a.batch[i],
                                tokenizer=tokenizer, seed=a.seed + i, window=a.window,
+                               add_bos=add_bos,
                                process_index=0, process_count=1)  # every process: all rows
             if data_state is not None and data_state["stage"] == i:
                 it.set_state(data_state["iterator"])

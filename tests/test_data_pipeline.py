@@ -13,6 +13,7 @@ from jax_seqpar.data import (ByteTokenizer, DataConfig, KEYS, PackingReport,  # 
                              load_tokenizer, make_documents, make_iterator, pack_documents,
                              text_files, tokenize_folder, train_bpe, write_corpus)
 from jax_seqpar.data.tokenize import tokenize_files  # noqa: E402
+from jax_seqpar.data.text_tokenizer import TextTokenizer  # noqa: E402
 
 S, B = 256, 4
 
@@ -101,6 +102,41 @@ def test_tokenizer_json_with_its_config_loads_without_adding_specials(tmp_path, 
         load_tokenizer(tmp_path / "missing")
     ByteTokenizer().save(tmp_path / "bytes")
     assert isinstance(load_tokenizer(tmp_path / "bytes"), ByteTokenizer)
+
+
+def test_chat_template_is_saved_read_back_and_rendered(tmp_path, tokenizer):
+    """A tokenizer's chat template survives save / load (so a fine-tuned model's exported
+    tokenizer keeps its base model's), in every form transformers writes it."""
+    pytest.importorskip("jinja2")
+    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    chat = TextTokenizer(tokenizer.tokenizer, bos_id=1, eos_id=2, pad_id=0,
+                         chat_template=template)
+    messages = [{"role": "user", "content": "Where is Taveni?"}]
+    want = "<s>user: Where is Taveni?</s><s>assistant:"
+    assert chat.render_chat(messages) == want
+    assert chat.render_chat(messages, add_generation_prompt=False).endswith("</s>")
+    chat.save(tmp_path / "a")
+    loaded = load_tokenizer(tmp_path / "a")
+    assert loaded.chat_template == template and loaded.render_chat(messages) == want
+    # a list of named templates (the one named "default"), or chat_template.jinja beside
+    config = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "no"},
+                               {"name": "default", "template": template}]
+    (tmp_path / "a" / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(tmp_path / "a").chat_template == template
+    (tmp_path / "a" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_tokenizer(tmp_path / "a").render_chat(messages) == "Where is Taveni?"
+    # none: render_chat says so; a template that is not a string is refused by name
+    tokenizer.save(tmp_path / "b")
+    plain = load_tokenizer(tmp_path / "b")
+    assert plain.chat_template is None
+    assert "chat_template" not in json.loads((tmp_path / "b" /
+                                              "tokenizer_config.json").read_text())
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.render_chat(messages)
+    with pytest.raises(TypeError, match="chat_template must be a string"):
+        TextTokenizer(tokenizer.tokenizer, chat_template=[template])
 
 
 def test_folder_errors(tmp_path):

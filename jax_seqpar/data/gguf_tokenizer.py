@@ -79,30 +79,8 @@ class GGUFTextTokenizer(TextTokenizer):
 
     def __init__(self, tokenizer, special: GGUFSpecialTokens):
         super().__init__(tokenizer, bos_id=special.bos_id, eos_id=special.eos_id,
-                         pad_id=special.pad_id)
-        self.special, self.chat_template = special, special.chat_template
-
-    def render_chat(self, messages, *, add_generation_prompt: bool = True) -> str:
-        """``messages`` (``[{"role": ..., "content": ...}, ...]``) rendered by the GGUF's
-        ``tokenizer.chat_template`` (Jinja, in a sandbox; blocks trimmed as chat templates
-        are written to be), with the generation prompt that opens the assistant's turn.
-        ``encode`` the result for the prompt's ids (the template writes the special
-        tokens as text)."""
-        if not self.chat_template:
-            raise ValueError("this GGUF has no tokenizer.chat_template")
-        try:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - jinja2 ships with the [gguf] extra
-            raise ImportError("render_chat needs jinja2: pip install 'jax_seqpar[gguf]'"
-                              ) from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
-        name = self.tokenizer.id_to_token
-        specials = {f"{k}_token": name(i) for k, i in (("bos", self.bos_id),
-                                                        ("eos", self.eos_id)) if i is not None}
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials)
+                         pad_id=special.pad_id, chat_template=special.chat_template)
+        self.special = special
 
 
 def _reader(source):

@@ -2,6 +2,11 @@
 ``encode(text) -> int32 array``, ``encode_batch``, ``decode(ids)``, ``vocab_size``,
 ``bos_id``, ``eos_id``, ``pad_id``, ``save(directory)``.
 
+``TextTokenizer`` may also carry a chat template (``chat_template``, Jinja, as
+transformers keeps it in ``tokenizer_config.json`` and a GGUF file in its metadata):
+``render_chat(messages)`` renders a conversation with it, and ``save`` writes it back, so
+a fine-tuned model's exported tokenizer keeps its base model's template.
+
 ``TextTokenizer`` wraps a ``tokenizers.Tokenizer`` (a checkpoint's ``tokenizer.json``,
 ``tokenize.train_bpe``'s, or one rebuilt from a GGUF file by ``gguf_tokenizer``);
 ``ByteTokenizer`` uses UTF-8 bytes.  ``tokenize.load_tokenizer`` picks one for a path.
@@ -31,12 +36,18 @@ def _import_tokenizers():
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with the special ids the packer needs.
 
-    ``bos_id`` / ``eos_id`` / ``pad_id`` are ``None`` when the tokenizer has no such token.
+    ``bos_id`` / ``eos_id`` / ``pad_id`` are ``None`` when the tokenizer has no such token;
+    ``chat_template`` is ``None`` when it has no chat template.
     """
 
-    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None):
+    def __init__(self, tokenizer, *, bos_id=None, eos_id=None, pad_id=None,
+                 chat_template=None):
         self.tokenizer = tokenizer
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string (Jinja), not "
+                            f"{type(chat_template).__name__}")
+        self.chat_template = chat_template or None
         n = self.vocab_size
         for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
             if value is not None and not 0 <= value < n:
@@ -60,14 +71,37 @@ class TextTokenizer:
     def _token(self, i):
         return None if i is None else self.tokenizer.id_to_token(i)
 
+    def render_chat(self, messages, *, add_generation_prompt: bool = True) -> str:
+        """``messages`` (``[{"role": ..., "content": ...}, ...]``) rendered by the chat
+        template (Jinja, in a sandbox; blocks trimmed as chat templates are written to
+        be), with the generation prompt that opens the assistant's turn.  ``encode`` the
+        result for the prompt's ids (the template writes the special tokens as text)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (chat_template is None)")
+        try:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:  # pragma: no cover - jinja2 ships with the [gguf] extra
+            raise ImportError("render_chat needs jinja2: pip install 'jax_seqpar[gguf]'"
+                              ) from None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        specials = {f"{k}_token": self._token(i) for k, i in (("bos", self.bos_id),
+                                                               ("eos", self.eos_id))
+                    if i is not None}
+        return env.from_string(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials)
+
     def save(self, directory) -> pathlib.Path:
-        """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming BOS / EOS / pad,
-        the layout ``load_tokenizer`` (and transformers) read; returns the directory."""
+        """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming BOS / EOS / pad
+        and holding the chat template (if any), the layout ``load_tokenizer`` (and
+        transformers) read; returns the directory."""
         d = pathlib.Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(d / TOKENIZER_FILE))
         config = {k: self._token(getattr(self, f"{k[:-6]}_id"))
                   for k in ("bos_token", "eos_token", "pad_token")}
+        config["chat_template"] = self.chat_template
         (d / CONFIG_FILE).write_text(json.dumps(
             {k: v for k, v in config.items() if v is not None}, indent=2) + "\n")
         return d

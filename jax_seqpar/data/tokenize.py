@@ -2,7 +2,8 @@
 
 ``load_tokenizer(path)`` reads the ``tokenizer.json`` a Hugging Face checkpoint ships
 (the Rust ``tokenizers`` package: no torch, no network) and takes the BOS / EOS / pad
-tokens from the ``tokenizer_config.json`` (or ``special_tokens_map.json``) beside it.
+tokens from the ``tokenizer_config.json`` (or ``special_tokens_map.json``) beside it, and
+the chat template from ``chat_template.jinja`` or ``tokenizer_config.json``.
 ``train_bpe(texts)`` trains a small byte-level BPE for tests and demos, and
 ``ByteTokenizer`` uses the UTF-8 bytes themselves.  All three share one interface:
 ``encode(text) -> int32 array``, ``decode(ids)``, ``vocab_size``, ``bos_id``, ``eos_id``,
@@ -25,6 +26,7 @@ from jax_seqpar.data.text_tokenizer import (CONFIG_FILE, TOKENIZER_FILE,  # noqa
                                             ByteTokenizer, TextTokenizer, _import_tokenizers)
 
 SPECIALS_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2 of a tokenizer from train_bpe
 
 
@@ -83,7 +85,21 @@ def load_tokenizer(source, *, bos_id=None, eos_id=None, pad_id=None):
     ids = {k: _special(configs, f"{k}_token", tok, where) for k in ("bos", "eos", "pad")}
     return TextTokenizer(tok, bos_id=ids["bos"] if bos_id is None else bos_id,
                          eos_id=ids["eos"] if eos_id is None else eos_id,
-                         pad_id=ids["pad"] if pad_id is None else pad_id)
+                         pad_id=ids["pad"] if pad_id is None else pad_id,
+                         chat_template=_chat_template(path.parent, configs))
+
+
+def _chat_template(folder: pathlib.Path, configs: list[dict]):
+    """The chat template beside a ``tokenizer.json``: ``chat_template.jinja`` (newer
+    transformers) or ``tokenizer_config.json``'s ``chat_template`` (a string, or a list
+    of named templates: the one named ``default``); None when there is none."""
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text()
+    found = next((c["chat_template"] for c in configs if c.get("chat_template")), None)
+    if isinstance(found, list):
+        found = next((t.get("template") for t in found
+                      if isinstance(t, dict) and t.get("name") == "default"), None)
+    return found if isinstance(found, str) else None
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 512, *,
