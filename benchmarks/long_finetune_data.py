@@ -65,7 +65,7 @@ def held_out(corpus, tokenizer, lengths, ppl_samples, seed) -> list:
     return sorted(names)
 
 
-def passkey_documents(tokenizer, haystack, lengths, tokens, seed):
+def passkey_documents(tokenizer, haystack, lengths, tokens, seed, spread="log"):
     """``[(text, length, key, depth)]``: passkey conversations (module docstring) with
     ``tokens`` tokens in all."""
     render = chat_renderer(tokenizer)
@@ -74,10 +74,11 @@ def passkey_documents(tokenizer, haystack, lengths, tokens, seed):
                          "are written in it")
     prompts = PasskeyPrompts(tokenizer, haystack, render)
     rng = np.random.default_rng((seed, 40))
-    lo, hi = math.log(lengths[0]), math.log(lengths[1])
+    lo, hi = (math.log(x) if spread == "log" else x for x in lengths)
     out, total = [], 0
     while total < tokens:
-        length = int(round(math.exp(rng.uniform(lo, hi))))
+        x = rng.uniform(lo, hi)
+        length = int(round(math.exp(x) if spread == "log" else x))
         ids, key, _, depth = prompts.make(rng, length, float(rng.uniform(0.0, 1.0)))
         text = tokenizer.decode(ids) + f" {key}."
         out.append((text, length, key, depth))
@@ -114,7 +115,8 @@ def write(a) -> dict:
         if n >= a.haystack_tokens:
             break
     hay = np.concatenate(parts)
-    keys = passkey_documents(tok, hay, a.passkey_lengths, a.passkey_tokens, a.seed)
+    keys = passkey_documents(tok, hay, a.passkey_lengths, a.passkey_tokens, a.seed,
+                             a.passkey_spread)
     pk_dir = os.path.join(a.out, "passkey")
     os.makedirs(pk_dir)
     for j, (text, *_rest) in enumerate(keys):
@@ -129,7 +131,8 @@ def write(a) -> dict:
                                            "seed": a.seed},
         "text_documents": len(train), "text_tokens": int(text_tokens),
         "passkey_documents": len(keys), "passkey_tokens": int(sum(k[1] for k in keys)),
-        "passkey_lengths": a.passkey_lengths, "haystack_tokens": int(len(hay))}
+        "passkey_lengths": a.passkey_lengths, "passkey_spread": a.passkey_spread,
+        "haystack_tokens": int(len(hay))}
     with open(os.path.join(a.out, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -154,6 +157,9 @@ def parser():
     p.add_argument("--passkey-lengths", type=ints, default=[1024, 32704],
                    help="shortest,longest conversation in tokens (leave room for the answer and "
                         "EOS below the training length: a longer one would be split)")
+    p.add_argument("--passkey-spread", choices=("log", "uniform"), default="log",
+                   help="conversation lengths drawn log-uniformly (as many short as long) "
+                        "or uniformly (most tokens at long lengths)")
     p.add_argument("--haystack-tokens", type=int, default=400_000,
                    help="training text the passkey haystacks are cut from")
     p.add_argument("--out", default=os.path.join(REPO, ".cache", "finetune_data"))

@@ -9,6 +9,8 @@ builder's splitting on small synthetic inputs (no network, no real model):
   at the requested depth, the template around it;
 * ``benchmarks/long_eval.py`` end to end (one device, byte tokens, no plots): the JSON
   holds every number; its RoPE variants change only the RoPE fields;
+* ``benchmarks/long_finetune_data.py``: the fine-tuning data lacks the evaluated
+  documents; its passkey conversations end with their keys;
 * ``jax_seqpar.data.real_corpus`` / ``html_text`` (what ``scripts/fetch_corpus.py``
   runs): Bible verses to books, the Jargon File to sections, a Sphinx page to text, the
   documents written where ``data.tokenize_folder`` reads them; the licence sentence is
@@ -126,6 +128,54 @@ def test_long_eval_writes_every_number(tmp_path, monkeypatch):
     assert [(c["length"], c["depth"]) for c in v["passkey"]] == [(320, 0.0), (320, 1.0)]
     assert len(v["passkey_accuracy"]) == 1 and len(v["passkey_accuracy"][0]) == 2
     assert all(len(c["samples"]) == 1 and c["samples"][0]["key"] for c in v["passkey"])
+
+
+def test_finetune_data_holds_out_the_evaluated_documents(tmp_path):
+    """``long_finetune_data.py``: the training folder lacks exactly the documents that
+    ``long_eval.py`` scores or cuts its haystack from, keeps the others and the extra
+    folders, and its passkey conversations (chat template, sizes in the range) end with
+    their own key."""
+    pytest.importorskip("jinja2")
+    import long_eval
+    import long_finetune_data
+    from jax_seqpar.data.tokenize import load_tokenizer, train_bpe
+
+    tok = train_bpe([PROSE * 4, "0123456789 pass key Remember quiz"], 400)
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>{% endif %}")
+    tok.save(tmp_path / "tok")
+    corpus = write_corpus(tmp_path / "corpus", [3000, 2500, 400, 2800, 900, 3200])
+    extra = tmp_path / "more"
+    extra.mkdir()
+    for i in range(2):
+        (extra / f"doc{i}.txt").write_text(f"Extra {i}. " + PROSE[::-1] * 12)
+    out = tmp_path / "out"
+    assert long_finetune_data.main([
+        "--tokenizer", str(tmp_path / "tok"), "--corpus", str(corpus), "--extra",
+        str(extra), "--eval-lengths", "256,512", "--eval-ppl-samples", "1",
+        "--passkey-tokens", "3000", "--passkey-lengths", "300,600", "--haystack-tokens",
+        "1500", "--out", str(out)]) == 0
+    tok = load_tokenizer(tmp_path / "tok")
+    docs = _ppl.Documents(corpus, tok, 0)
+    want = {n for L in (256, 512) for row in docs.sequences(L, 1, tok.eos_id)[2]
+            for n in row["documents"]}
+    want |= {docs.name(i) for i in long_eval.haystack_documents(docs, 1024, tok)}
+    m = json.loads((out / "MANIFEST.json").read_text())
+    assert set(m["held_out"]) == want and 0 < len(want) < 6
+    kept = {p.relative_to(out / "text").as_posix() for p in (out / "text").rglob("*.txt")}
+    assert kept == ({f"doc{i}.txt" for i in range(6)} - want) | {"more/doc0.txt",
+                                                                 "more/doc1.txt"}
+    conversations = sorted((out / "passkey").glob("*.txt"))
+    assert len(conversations) == m["passkey_documents"] >= 5
+    assert m["passkey_tokens"] >= 3000
+    held_text = [(corpus / n).read_text()[:60] for n in want]
+    for path in conversations:
+        text = path.read_text()
+        key = text.rsplit(_passkey.ANSWER, 1)[1].strip().rstrip(".")
+        assert text.startswith("<s>" + _passkey.INTRO) and key.isdigit()
+        assert _passkey.NEEDLE.format(key=key).strip() in text
+        assert 300 <= len(tok.encode(text)) <= 600 + 8
+        assert not any(h in text for h in held_text)
 
 
 def test_variants_change_only_the_rope():
