@@ -95,8 +95,13 @@ GROUPS = {
     "test_nd_generate.py": "nd_generate",
     # one unrolled reference per (layout, packed), shared by the remat cases
     "test_scan_layers.py::test_scanned_equals_unrolled": "scan_layers",
-    "test_burst.py::test_backward_bytes_equal_formula": "burst_bytes",
-    "test_burst.py::test_gqa_group_four_prefers_kv": "burst_bytes",
+    # lru_cached compiled programs that several tests of the file read (outputs, HLO
+    # bytes, overlap windows): on two workers each would compile on both
+    "test_burst.py": "burst",
+    "test_double_ring.py": "double_ring",
+    "test_lm_head.py": "lm_head",
+    "test_xla_kernel.py": "xla_kernel",
+    "test_overlap.py": "overlap",
 }
 
 #: path prefixes of the longest tests (measured with --durations), longest first
@@ -107,6 +112,8 @@ LONGEST_FIRST = (
     "test_multiprocess.py::test_ring_attention_two_processes_equals_one",
     "test_multiprocess.py::test_training_step_two_processes_equals_one",
     "test_remat.py",
+    "test_double_ring.py",
+    "test_burst.py",
     "test_scan_layers.py::test_scanned_equals_unrolled",
     "test_packed_training.py",
     "test_generate.py",
