@@ -55,6 +55,7 @@ from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel  # noqa: E4
 from jax_seqpar.kernels import MgpuConfig, PallasMgpuKernel  # noqa: E402
 from jax_seqpar.kernels.pallas_mgpu import is_hopper  # noqa: E402
 from jax_seqpar.layouts import shard_positions  # noqa: E402
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_GENERAL  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
@@ -74,6 +75,14 @@ def backends(on_gpu: bool):
     out = {"xla": XlaKernel(), "pallas": PallasKernel()}
     if on_gpu and is_hopper():
         out["pallas_mgpu"] = PallasMgpuKernel()
+    if on_gpu and is_hopper():
+        try:  # the optional tokamax backend, and tokamax called as a user would
+            from jax_seqpar.kernels.tokamax import TokamaxKernel, tokamax_module
+            tokamax_module()
+            out["tokamax"] = TokamaxKernel()
+            out["tokamax_direct"] = None
+        except Exception as e:
+            print(f"tokamax: not available ({type(e).__name__}: {str(e)[:100]})")
     try:
         from jax_seqpar.kernels.flash_attn import FlashAttnKernel
         fa = FlashAttnKernel()
@@ -84,11 +93,11 @@ def backends(on_gpu: bool):
     return out
 
 
-def make_fn(kernel, mask, scale):
+def make_fn(kernel, mask, scale, tile=TILE_GENERAL):
     cfg = AttnConfig(axis_name="sp", mask=mask, scale=scale, kernel=kernel)
 
     def f(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
-        return local_attention(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+        return local_attention(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, tile=tile)
     return f
 
 
@@ -253,9 +262,17 @@ def _backend_fns(name, kern, S, D, causal):
 
         def f(q, k, v):
             return flash_mha(q, k, v, softmax_scale=scale, is_causal=causal)
+    elif name == "tokamax_direct":  # tokamax's public call, as a user would make it
+        import tokamax
+
+        def f(q, k, v):
+            return tokamax.dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                 implementation="mosaic")
     else:
         pos = jnp.arange(S, dtype=jnp.int32)
-        g = make_fn(kern, MaskSpec(causal=causal), scale)
+        # the whole sequence on one device: one aligned tile (q and k at the same
+        # positions), which the index-masking backends (tokamax) serve
+        g = make_fn(kern, MaskSpec(causal=causal), scale, tile=TILE_ALIGNED)
         f = lambda q, k, v: g(q, k, v, pos, pos)  # noqa: E731
     return jax.jit(f), jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
 
@@ -487,7 +504,8 @@ def main():
         dtypes = (args.dtypes.split(",") if args.dtypes else
                   ["bfloat16", "float16", "float32"] if on_gpu else ["float32", "bfloat16"])
         # on GPU the xla kernel is skipped here (the CPU tests cover it at length)
-        ck = {n: k for n, k in kernels.items() if n != ("xla" if on_gpu else "flash_attn")}
+        ck = {n: k for n, k in kernels.items()
+              if k is not None and n != ("xla" if on_gpu else "flash_attn")}
         if args.pallas_config:
             fields = [int(x) for x in args.pallas_config.split(",")]
             kernels["pallas"] = ck["pallas"] = PallasKernel(config=PallasConfig(*fields))

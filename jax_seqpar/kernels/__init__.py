@@ -1,7 +1,7 @@
 """Local attention tile kernels behind one contract (see ``base.py``)."""
 
 from jax_seqpar.kernels import (cudnn, flash_attn, pallas_decode, pallas_gpu,  # noqa: F401
-                                pallas_mgpu, xla, xla_decode)  # (importing registers the backends)
+                                pallas_mgpu, tokamax, xla, xla_decode)  # (importing registers the backends)
 from jax_seqpar.kernels.base import (AttentionKernel, KernelRequest, available_kernels,
                                      get_kernel, register_kernel)
 from jax_seqpar.kernels.cudnn import CudnnKernel
@@ -11,8 +11,9 @@ from jax_seqpar.kernels.pallas_gpu import PallasConfig, PallasKernel
 from jax_seqpar.kernels.pallas_mgpu import MgpuConfig, PallasMgpuKernel
 from jax_seqpar.kernels.xla import XlaKernel
 from jax_seqpar.kernels.tiles import TileKernels
+from jax_seqpar.kernels.tokamax import TokamaxKernel
 from jax_seqpar.kernels.xla_decode import XlaDecodeKernel
 
 __all__ = ["AttentionKernel", "CudnnKernel", "DecodeConfig", "FlashAttnKernel", "KernelRequest", "MgpuConfig", "PallasConfig",
-           "PallasDecodeKernel", "PallasKernel", "PallasMgpuKernel", "TileKernels", "XlaDecodeKernel", "XlaKernel",
+           "PallasDecodeKernel", "PallasKernel", "PallasMgpuKernel", "TileKernels", "TokamaxKernel", "XlaDecodeKernel", "XlaKernel",
            "available_kernels", "get_kernel", "register_kernel"]

@@ -67,10 +67,15 @@ TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
 #: than Triton.  cuDNN cannot read positions, so it serves dense and
 #: aligned tiles only, where its forward + backward is the fastest; general tiles go to
 #: ``pallas_mgpu`` on Hopper (it refuses other GPUs and float32), then to Triton.
+#: tokamax 0.0.17's Mosaic kernel (the optional ``tokamax`` backend: dense and aligned
+#: tiles) against ``pallas_mgpu``, forward + backward as a ratio to cuDNN in one H200 run
+#: (2026-11-24, RESULTS.md "tokamax as a backend"): D 128 0.936x vs 0.898x, causal
+#: 0.946x vs 0.978x; D 64 0.851x vs 0.976x, causal 0.889x vs 1.008x.  So it comes after
+#: ``pallas_mgpu``, which wins three columns of four.
 #: Backends not listed follow by priority.
 AUTO_ORDER: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("gpu", TILE_DENSE): ("cudnn", "pallas_mgpu", "pallas", "xla"),
-    ("gpu", TILE_ALIGNED): ("cudnn", "pallas_mgpu", "pallas", "xla"),
+    ("gpu", TILE_DENSE): ("cudnn", "pallas_mgpu", "tokamax", "pallas", "xla"),
+    ("gpu", TILE_ALIGNED): ("cudnn", "pallas_mgpu", "tokamax", "pallas", "xla"),
     ("gpu", TILE_GENERAL): ("pallas_mgpu", "pallas", "xla"),
 }
 

@@ -1,0 +1,203 @@
+"""Issue 41, item 1: the optional ``tokamax`` backend, with a stand-in on CPU.
+
+tokamax's Mosaic GPU kernel does not run on CPU.  Its logic is tested with a stand-in for
+the two module functions the backend calls (``tokamax_fwd`` / ``tokamax_bwd``): dense
+float32 math that, like tokamax, applies causal masks and windows *by index* and speaks
+tokamax's residual convention ``(m, l)`` (row maximum, sum of ``exp(s - m)``), so the
+conversion to and from the contract's lse is exercised, and whose backward uses the
+``o`` and residuals it is given.  A ring whose strategies labelled a tile wrongly, or
+passed a tile's own ``o`` instead of the global one, would fail here.  The real kernel is
+checked on the GPU by ``benchmarks/tokamax_tiles.py`` (RESULTS.md).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_seqpar as jsp
+from jax_seqpar.kernels import base
+from jax_seqpar.kernels import tokamax as tk
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest
+from jax_seqpar.masks import MaskSpec
+from jax_seqpar.parallel import common
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+CALLS = []
+
+
+def _ok(Tq, Tk, causal, window):
+    i, j = np.arange(Tq)[:, None], np.arange(Tk)[None, :]
+    ok = np.ones((Tq, Tk), bool)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        ok &= (j >= i - window[0]) & (j <= i + window[1])
+    return jnp.asarray(ok)
+
+
+def _scores(q, k, scale, causal, window):
+    g = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32),
+                   jnp.repeat(k.astype(F32), g, axis=2)) * scale
+    ok = _ok(q.shape[1], k.shape[1], causal, window)
+    return jnp.where(ok, s, -jnp.inf), ok
+
+
+def fake_fwd(q, k, v, *, scale, causal, window=None):
+    CALLS.append(("fwd", causal, window))
+    s, _ = _scores(q, k, scale, causal, window)
+    m = s.max(-1)
+    e = jnp.exp(s - m[..., None])
+    l = e.sum(-1)
+    g = q.shape[2] // k.shape[2]
+    o = jnp.einsum("bhqk,bkhd->bqhd", e / l[..., None], jnp.repeat(v.astype(F32), g, 2))
+    return o.astype(q.dtype), (m, l)
+
+
+def fake_bwd(q, k, v, o, residuals, do, *, scale, causal, window=None):
+    CALLS.append(("bwd", causal, window))
+    m, l = residuals
+    B, Tk, Hkv, D = k.shape
+    g = q.shape[2] // Hkv
+    s, ok = _scores(q, k, scale, causal, window)
+    p = jnp.where(ok, jnp.exp(s - m[..., None]) / l[..., None], 0.0)
+    dof = do.astype(F32)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dof, o.astype(F32))
+    dp = jnp.einsum("bqhd,bkhd->bhqk", dof, jnp.repeat(v.astype(F32), g, 2))
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, jnp.repeat(k.astype(F32), g, 2))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)).reshape(B, Tk, Hkv, g, D).sum(3)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dof).reshape(B, Tk, Hkv, g, D).sum(3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Requests say platform 'gpu' (Hopper, tokamax importable); calls go to the stand-in."""
+    monkeypatch.setattr(tk, "tokamax_fwd", fake_fwd)
+    monkeypatch.setattr(tk, "tokamax_bwd", fake_bwd)
+    monkeypatch.setattr(tk, "tokamax_module", lambda: (None, None))
+    monkeypatch.setattr(tk, "_is_hopper_or_later", lambda: True)
+    monkeypatch.setattr(common, "default_platform", lambda: "gpu")
+    CALLS.clear()
+    yield CALLS
+
+
+def _request(**kw):
+    d = dict(platform="gpu", dtype="bfloat16", head_dim=64, mask=MaskSpec(causal=True),
+             tile=TILE_ALIGNED)
+    d.update(kw)
+    return KernelRequest(**d)
+
+
+@pytest.mark.parametrize("mask,tile,want", [
+    (MaskSpec(), TILE_DENSE, (False, None)),
+    (MaskSpec(), TILE_GENERAL, (False, None)),     # no mask: positions do not matter
+    (MaskSpec(causal=True), TILE_ALIGNED, (True, None)),
+    (MaskSpec(window=(3, 0)), TILE_ALIGNED, (False, (3, 0))),
+    (MaskSpec(window=(5, 2)), TILE_ALIGNED, (False, (5, 2))),  # right of the diagonal
+    (MaskSpec(causal=True, window=(5, 2)), TILE_ALIGNED, (False, (5, 0))),
+])
+def test_mask_translation(mask, tile, want):
+    assert tk.tokamax_mask(mask, tile) == want
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(platform="cpu"), "NVIDIA GPUs only"),
+    (dict(dtype="float32"), "not float32"),
+    (dict(head_dim=96), "head_dim=96"),
+    (dict(has_segments=True), "no segment ids"),
+    (dict(bwd_has_o=False), "needs the forward output"),
+    (dict(tile=TILE_GENERAL), "only dense tiles and aligned"),
+    (dict(mask=MaskSpec(causal=True), tile=TILE_DENSE), "dense tile was given a mask"),
+])
+def test_refuses_what_it_cannot_honour(fake_gpu, kw, match):
+    with pytest.raises(NotImplementedError, match=match):
+        tk.TokamaxKernel().check(_request(**kw))
+
+
+def test_not_installed_or_not_hopper_is_said(monkeypatch):
+    monkeypatch.setattr(tk, "_is_hopper_or_later", lambda: True)
+    try:
+        import tokamax  # noqa: F401
+    except ImportError:
+        with pytest.raises(NotImplementedError, match=r"jax_seqpar\[tokamax\]"):
+            tk.TokamaxKernel().check(_request())
+    monkeypatch.setattr(tk, "tokamax_module", lambda: (None, None))
+    monkeypatch.setattr(tk, "_is_hopper_or_later", lambda: False)
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        tk.TokamaxKernel().check(_request())
+
+
+def test_auto_order_puts_it_after_pallas_mgpu_for_dense_and_aligned_only():
+    """Measured (base.AUTO_ORDER's comment): pallas_mgpu wins 3 of 4 fwd+bwd columns."""
+    for tile in (TILE_DENSE, TILE_ALIGNED):
+        order = base.AUTO_ORDER[("gpu", tile)]
+        assert order.index("cudnn") < order.index("pallas_mgpu") < order.index("tokamax")
+    assert "tokamax" not in base.AUTO_ORDER[("gpu", TILE_GENERAL)]
+    assert "tokamax" in base.available_kernels()
+
+
+def test_lse_from_residuals_and_a_tile_against_the_reference(fake_gpu):
+    """One aligned tile straight through the backend: out, lse and gradients."""
+    q, k, v = helpers.make_qkv(3, B=2, S=48, Hq=4, Hkv=2, D=64, dtype=BF16)
+    do = helpers.make_cotangent(3, q.shape, BF16)
+    pos = jnp.arange(48, dtype=jnp.int32)
+    kern, mask, scale = tk.TokamaxKernel(), MaskSpec(window=(9, 4)), 64 ** -0.5
+    o, lse = kern.fwd(q, k, v, pos, pos, mask, scale, tile=TILE_ALIGNED)
+    ro, rlse, rg = helpers.reference_fwd_bwd(q, k, v, do, window=(9, 4))
+    helpers.assert_close(o, ro, 2e-2, "out")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse, np.float32), rtol=1e-5,
+                               atol=1e-5)
+    grads = kern.bwd(q, k, v, o, lse, do, pos, pos, mask, scale, tile=TILE_ALIGNED)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        assert g.dtype == F32
+        helpers.assert_close(g, r, 2e-2, name)
+    assert [c[0] for c in fake_gpu] == ["fwd", "bwd"] and fake_gpu[0][2] == (9, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_grad(G, causal, layout, backward, window):
+    mesh = helpers.make_mesh(G)
+
+    def f(q, k, v, do):
+        att = lambda q, k, v: jsp.attention(  # noqa: E731
+            q, k, v, mesh=mesh, causal=causal, layout=layout, backward=backward,
+            window=window, kernel="auto")
+        out, vjp = jax.vjp(att, q, k, v)
+        return out, vjp(do)
+
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("G,causal,layout,backward,window", [
+    (1, False, "contiguous", "kv", (6, 5)),   # one aligned tile, a window both sides
+    (4, True, "zigzag", "kv", None),
+    (4, True, "contiguous", "q", None),
+    (2, False, "zigzag", "q", None),
+])
+def test_ring_with_auto_uses_it_where_cudnn_refuses(fake_gpu, monkeypatch, G, causal,
+                                                    layout, backward, window):
+    """cuDNN and pallas_mgpu absent (refused), so ``auto`` gives dense and aligned tiles
+    to tokamax and general ones to the next backend; the ring matches the reference."""
+    from jax_seqpar.kernels import cudnn, pallas_mgpu
+
+    def refuse(self, request):
+        raise NotImplementedError("refused in this test")
+    monkeypatch.setattr(cudnn.CudnnKernel, "check", refuse)
+    monkeypatch.setattr(pallas_mgpu.PallasMgpuKernel, "check", refuse)
+    B, S, Hq, Hkv, D = 2, 64, 4, 2, 64
+    q, k, v = helpers.make_qkv(G + 5, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, dtype=BF16)
+    do = helpers.make_cotangent(G, q.shape, BF16)
+    ro, _, rg = helpers.reference_fwd_bwd(q, k, v, do, causal=causal, window=window)
+    out, grads = _ring_grad(G, causal, layout, backward, window)(q, k, v, do)
+    helpers.assert_close(out, ro, 2e-2, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, rg):
+        helpers.assert_close(g, r, 2e-2, name)
+    kinds = {c[:2] for c in fake_gpu}
+    assert ("fwd", False, window) in fake_gpu if window else ("fwd", causal) in kinds
+    assert any(c[0] == "bwd" for c in fake_gpu)
