@@ -239,3 +239,52 @@ def jax_nn_fwd_bwd(q, k, v, do, segment_ids=None, *, causal=False, window=None, 
 
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(do)
+
+
+# --------------------------------------------- stand-ins for GPU-only backends on CPU
+def index_masked_scores(q, k, scale, ok):
+    """Scaled scores ``[B, Hq, Tq, Tk]`` in float32 (GQA by repeating K), ``-inf`` where
+    the boolean ``ok [Tq, Tk]`` is False: a backend that masks by local index."""
+    g = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32),
+                   jnp.repeat(k.astype(F32), g, axis=2)) * scale
+    return jnp.where(ok, s, -jnp.inf)
+
+
+def probs_times_v(p, v):
+    """``P V`` in float32, ``[B, Tq, Hq, D]`` (GQA by repeating V)."""
+    g = p.shape[1] // v.shape[2]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v.astype(F32), g, axis=2))
+
+
+def backward_from_probs(q, k, v, o, p, do, scale):
+    """FlashAttention-2's backward from the probabilities ``p`` and the *given* output
+    ``o`` (``delta = rowsum(dO * O)``), as cuDNN's and tokamax's primitives compute it;
+    ``(dq, dk, dv)`` in the input dtypes."""
+    B, Tk, Hkv, D = k.shape
+    g = q.shape[2] // Hkv
+    dof = do.astype(F32)
+    delta = jnp.einsum("bqhd,bqhd->bhq", dof, o.astype(F32))
+    dp = jnp.einsum("bqhd,bkhd->bhqk", dof, jnp.repeat(v.astype(F32), g, axis=2))
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, jnp.repeat(k.astype(F32), g, axis=2))
+    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)).reshape(B, Tk, Hkv, g, D).sum(3)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dof).reshape(B, Tk, Hkv, g, D).sum(3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def ring_fwd_bwd(G, causal, layout, backward, window, kernel):
+    """Jitted ``(q, k, v, do) -> (out, (dq, dk, dv))`` of ``jsp.attention`` on ``G``
+    devices with ``kernel``."""
+    import jax_seqpar as jsp
+    mesh = make_mesh(G)
+
+    def f(q, k, v, do):
+        att = lambda q, k, v: jsp.attention(  # noqa: E731
+            q, k, v, mesh=mesh, causal=causal, layout=layout, backward=backward,
+            window=window, kernel=kernel)
+        out, vjp = jax.vjp(att, q, k, v)
+        return out, vjp(do)
+
+    return jax.jit(f)

@@ -10,7 +10,6 @@ pass the *global* output and lse.  The real cuDNN is checked on the GPU by
 ``benchmarks/cudnn_tiles.py`` (RESULTS.md).
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,40 +44,22 @@ def _index_mask(Tq, Tk, causal, window_left):
     return jnp.asarray(ok)
 
 
-def _scores(q, k, scale, causal, window_left):
-    g = q.shape[2] // k.shape[2]
-    kf = jnp.repeat(k.astype(F32), g, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32), kf) * scale
-    ok = _index_mask(q.shape[1], k.shape[1], causal, window_left)
-    return jnp.where(ok, s, -jnp.inf), ok
-
-
 def fake_fwd(q, k, v, *, scale, causal, window_left=None, with_lse=True):
     CALLS.append(("fwd" if with_lse else "fwd_no_lse", causal, q.shape[1], k.shape[1]))
-    s, _ = _scores(q, k, scale, causal, window_left)
+    s = helpers.index_masked_scores(q, k, scale,
+                                    _index_mask(q.shape[1], k.shape[1], causal, window_left))
     lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
-    g = q.shape[2] // k.shape[2]
-    o = jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v.astype(F32), g, axis=2))
+    o = helpers.probs_times_v(jnp.exp(s - lse[..., None]), v)
     return o.astype(q.dtype), (lse if with_lse else None)
 
 
 def fake_bwd(q, k, v, o, lse, do, *, scale, causal, window_left=None):
     """FlashAttention-2 backward from the given o and lse (as cuDNN's primitive)."""
     CALLS.append(("bwd", causal, q.shape[1], k.shape[1]))
-    B, Tk, Hkv, D = k.shape
-    g = q.shape[2] // Hkv
-    s, ok = _scores(q, k, scale, causal, window_left)
+    ok = _index_mask(q.shape[1], k.shape[1], causal, window_left)
+    s = helpers.index_masked_scores(q, k, scale, ok)
     p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
-    dof = do.astype(F32)
-    delta = jnp.einsum("bqhd,bqhd->bhq", dof, o.astype(F32))
-    vf = jnp.repeat(v.astype(F32), g, axis=2)
-    dp = jnp.einsum("bqhd,bkhd->bhqk", dof, vf)
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, jnp.repeat(k.astype(F32), g, axis=2))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)).reshape(B, Tk, Hkv, g, D).sum(3)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dof).reshape(B, Tk, Hkv, g, D).sum(3)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return helpers.backward_from_probs(q, k, v, o, p, do, scale)
 
 
 @pytest.fixture
@@ -188,18 +169,8 @@ def test_cudnn_on_cpu_is_refused_clearly():
 
 
 # ------------------------------------------------------------------ rings on "cuDNN"
-@functools.lru_cache(maxsize=None)
 def _ring_grad(G, causal, layout, backward, window):
-    mesh = helpers.make_mesh(G)
-
-    def f(q, k, v, do):
-        att = lambda q, k, v: jsp.attention(  # noqa: E731
-            q, k, v, mesh=mesh, causal=causal, layout=layout, backward=backward,
-            window=window, kernel="cudnn")
-        out, vjp = jax.vjp(att, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
+    return helpers.ring_fwd_bwd(G, causal, layout, backward, window, "cudnn")
 
 
 @pytest.mark.parametrize("G,Hq,Hkv,causal,layout,backward,dtype", [

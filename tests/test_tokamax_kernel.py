@@ -10,15 +10,12 @@ passed a tile's own ``o`` instead of the global one, would fail here.  The real 
 checked on the GPU by ``benchmarks/tokamax_tiles.py`` (RESULTS.md).
 """
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import helpers
-import jax_seqpar as jsp
 from jax_seqpar.kernels import base
 from jax_seqpar.kernels import tokamax as tk
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest
@@ -39,40 +36,23 @@ def _ok(Tq, Tk, causal, window):
     return jnp.asarray(ok)
 
 
-def _scores(q, k, scale, causal, window):
-    g = q.shape[2] // k.shape[2]
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(F32),
-                   jnp.repeat(k.astype(F32), g, axis=2)) * scale
-    ok = _ok(q.shape[1], k.shape[1], causal, window)
-    return jnp.where(ok, s, -jnp.inf), ok
-
-
 def fake_fwd(q, k, v, *, scale, causal, window=None):
     CALLS.append(("fwd", causal, window))
-    s, _ = _scores(q, k, scale, causal, window)
+    s = helpers.index_masked_scores(q, k, scale, _ok(q.shape[1], k.shape[1], causal, window))
     m = s.max(-1)
     e = jnp.exp(s - m[..., None])
     l = e.sum(-1)
-    g = q.shape[2] // k.shape[2]
-    o = jnp.einsum("bhqk,bkhd->bqhd", e / l[..., None], jnp.repeat(v.astype(F32), g, 2))
-    return o.astype(q.dtype), (m, l)
+    return helpers.probs_times_v(e / l[..., None], v).astype(q.dtype), (m, l)
 
 
 def fake_bwd(q, k, v, o, residuals, do, *, scale, causal, window=None):
+    """tokamax's backward: ``P = exp(s - m) / l`` from the residuals it is given."""
     CALLS.append(("bwd", causal, window))
     m, l = residuals
-    B, Tk, Hkv, D = k.shape
-    g = q.shape[2] // Hkv
-    s, ok = _scores(q, k, scale, causal, window)
+    ok = _ok(q.shape[1], k.shape[1], causal, window)
+    s = helpers.index_masked_scores(q, k, scale, ok)
     p = jnp.where(ok, jnp.exp(s - m[..., None]) / l[..., None], 0.0)
-    dof = do.astype(F32)
-    delta = jnp.einsum("bqhd,bqhd->bhq", dof, o.astype(F32))
-    dp = jnp.einsum("bqhd,bkhd->bhqk", dof, jnp.repeat(v.astype(F32), g, 2))
-    ds = p * (dp - delta[..., None]) * scale
-    dq = jnp.einsum("bhqk,bkhd->bqhd", ds, jnp.repeat(k.astype(F32), g, 2))
-    dk = jnp.einsum("bhqk,bqhd->bkhd", ds, q.astype(F32)).reshape(B, Tk, Hkv, g, D).sum(3)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", p, dof).reshape(B, Tk, Hkv, g, D).sum(3)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return helpers.backward_from_probs(q, k, v, o, p, do, scale)
 
 
 @pytest.fixture
@@ -160,18 +140,8 @@ def test_lse_from_residuals_and_a_tile_against_the_reference(fake_gpu):
     assert [c[0] for c in fake_gpu] == ["fwd", "bwd"] and fake_gpu[0][2] == (9, 4)
 
 
-@functools.lru_cache(maxsize=None)
 def _ring_grad(G, causal, layout, backward, window):
-    mesh = helpers.make_mesh(G)
-
-    def f(q, k, v, do):
-        att = lambda q, k, v: jsp.attention(  # noqa: E731
-            q, k, v, mesh=mesh, causal=causal, layout=layout, backward=backward,
-            window=window, kernel="auto")
-        out, vjp = jax.vjp(att, q, k, v)
-        return out, vjp(do)
-
-    return jax.jit(f)
+    return helpers.ring_fwd_bwd(G, causal, layout, backward, window, "auto")
 
 
 @pytest.mark.parametrize("G,causal,layout,backward,window", [
