@@ -74,7 +74,8 @@ def _rel(a, b):
 def backends(on_gpu: bool):
     out = {"xla": XlaKernel(), "pallas": PallasKernel()}
     if on_gpu and is_hopper():
-        out["pallas_mgpu"] = PallasMgpuKernel()
+        out["pallas_mgpu"] = PallasMgpuKernel()  # the tuned table's configs (mgpu_tuning)
+        out["pallas_mgpu_untuned"] = PallasMgpuKernel(tuned=False, name="pallas_mgpu_untuned")
     if on_gpu and is_hopper():
         try:  # the optional tokamax backend, and tokamax called as a user would
             from jax_seqpar.kernels.tokamax import TokamaxKernel, tokamax_module
@@ -121,7 +122,7 @@ class MgpuVariant(PallasMgpuKernel):
 
     overrides: tuple = ()
 
-    def _config(self, head_dim):
+    def config_for(self, head_dim, dtype=None, mask=None, has_segments=False, tile=None):
         from jax_seqpar.kernels.pallas_mgpu_common import DEFAULT_MGPU_CONFIGS
         return dataclasses.replace(DEFAULT_MGPU_CONFIGS[head_dim], **dict(self.overrides))
 

@@ -196,7 +196,7 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default():
     name, kern = kb.parse_mgpu_variant("two:atomic_dq=false,block_kv_dq=64")
     assert name == kern.name == "two"
     for D in (64, 128):
-        assert kern._config(D) == dataclasses.replace(
+        assert kern.config_for(D) == dataclasses.replace(
             DEFAULT_MGPU_CONFIGS[D], atomic_dq=False, block_kv_dq=64)
     for bad in ("two:nope=1", "two", "two:block_q=x"):
         with pytest.raises(ValueError):

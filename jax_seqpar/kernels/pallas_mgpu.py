@@ -41,7 +41,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.runtime._compat import kernel_io
-from jax_seqpar.kernels.base import KernelRequest, default_platform, register_kernel
+from jax_seqpar.kernels.base import (TILE_GENERAL, KernelRequest, default_platform,
+                                     register_kernel)
+from jax_seqpar.kernels.mgpu_tuning import gpu_key, lookup
 from jax_seqpar.kernels.pallas_common import (_pad_to, default_config, segment_lists_args,
                                               tile_lists)
 from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
@@ -254,20 +256,43 @@ def is_hopper() -> bool:
     return cc.split(".")[0] == "9"
 
 
+@functools.lru_cache(maxsize=None)
+def _device_kind() -> str:
+    """The first GPU's kind (``"NVIDIA H200"``), or "" without a GPU (CPU lowering tests)."""
+    try:
+        return jax.devices("gpu")[0].device_kind
+    except RuntimeError:
+        return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasMgpuKernel:
-    """The ``pallas_mgpu`` backend (Hopper only).  ``config=None`` takes
-    ``DEFAULT_MGPU_CONFIGS[head_dim]``."""
+    """The ``pallas_mgpu`` backend (Hopper only).  ``config=None`` takes the measured
+    config of the call's shape class from ``mgpu_tuning``'s committed table (GPU, dtype,
+    head dim, tile kind, mask), else ``DEFAULT_MGPU_CONFIGS[head_dim]``; ``tuned=False``
+    always takes the latter."""
 
     config: Optional[MgpuConfig] = None
+    tuned: bool = True
     name: str = "pallas_mgpu"
+    tile_aware = True   # receives tile= in fwd/bwd (the tuning table's key)
 
     def __post_init__(self):
         if self.config is not None and not isinstance(self.config, MgpuConfig):
             raise TypeError(f"config={self.config!r} must be an MgpuConfig or None")
+        if not isinstance(self.tuned, bool):
+            raise TypeError(f"tuned={self.tuned!r} must be a bool")
 
-    def _config(self, head_dim: int) -> MgpuConfig:
-        return self.config or DEFAULT_MGPU_CONFIGS[head_dim]
+    def config_for(self, head_dim: int, dtype, mask: MaskSpec, has_segments: bool,
+                   tile: str = TILE_GENERAL) -> MgpuConfig:
+        """The config a call with these properties runs (see the class docstring)."""
+        if self.config is not None:
+            return self.config
+        kind = _device_kind()
+        if not self.tuned or not kind:
+            return DEFAULT_MGPU_CONFIGS[head_dim]
+        masked = ("segments" if has_segments else "none" if mask.is_dense else "causal")
+        return lookup(gpu_key(kind), str(jnp.dtype(dtype)), head_dim, tile, masked)[0]
 
     #: Under ``shard_map(check_vma=True)`` the kernel bodies would mix mesh-varying
     #: scalars read from the tile lists with loop carries that are not, which JAX 0.10's
@@ -304,15 +329,15 @@ class PallasMgpuKernel:
                              f"{q_pos.shape} and {kv_pos.shape}")
 
     def fwd(self, q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
-            kv_seg=None):
+            kv_seg=None, *, tile: str = TILE_GENERAL):
         self._check_call(q, q_pos, kv_pos)
-        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                        config=self._config(q.shape[-1]))
+        cfg = self.config_for(q.shape[-1], q.dtype, mask, q_seg is not None, tile)
+        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, config=cfg)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
-            q_seg=None, kv_seg=None, delta=None):
+            q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
         self._check_call(q, q_pos, kv_pos)
-        cfg = self._config(q.shape[-1])
+        cfg = self.config_for(q.shape[-1], q.dtype, mask, q_seg is not None, tile)
         if backward_smem_bytes(cfg, q.shape[-1], q.dtype) > SMEM_LIMIT:
             # D = 256: K, V and two Q/dO stages do not fit a CTA's shared memory; the
             # Triton backward (same contract, same tile lists) takes these tiles

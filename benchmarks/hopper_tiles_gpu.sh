@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 41 on one Hopper GPU through the device tool, one phase per call:
+#
+#   bash benchmarks/hopper_tiles_gpu.sh tune 128     # mgpu_tune.py for head dim 128 -> $OUT
+#   bash benchmarks/hopper_tiles_gpu.sh tune 64
+#   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
+#   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
+#
+# The pair phase installs tokamax 0.0.17 and its dependencies from wheels carried in
+# .whl/tokamax (the GPU machine has no network) and puts an empty stand-in for `xprof`
+# on the path: tokamax imports it at import time for its own benchmarking module only.
+set -euo pipefail
+phase=${1:?tune DIM | pair RUN}
+OUT=$(realpath -m "${OUT:-benchmarks/out}")
+export OUT
+mkdir -p "$OUT"
+cd "$(dirname "$0")"
+
+case "$phase" in
+tune)
+    dim=${2:?head dim}
+    timeout "${TUNE_S:-500}" python -X faulthandler mgpu_tune.py --dims "$dim" \
+        --rounds "${ROUNDS:-7}" --out "$OUT/tune_d$dim.json" 2>&1 | tee "$OUT/tune_d$dim.log"
+    ;;
+pair)
+    run=${2:?run name}
+    if [ -d ../.whl/tokamax ] && [ ! -d /tmp/tk/tokamax ]; then
+        pip install --quiet --no-deps --no-index --target /tmp/tk ../.whl/tokamax/*.whl
+    fi
+    mkdir -p /tmp/tk_stub/xprof/cli/tools
+    touch /tmp/tk_stub/xprof/__init__.py /tmp/tk_stub/xprof/cli/__init__.py \
+          /tmp/tk_stub/xprof/cli/tools/__init__.py \
+          /tmp/tk_stub/xprof/cli/tools/get_kernel_stats_tool.py
+    export PYTHONPATH="/tmp/tk:/tmp/tk_stub${PYTHONPATH:+:$PYTHONPATH}"
+    timeout "${PAIR_S:-560}" python kernels.py --phases pair \
+        --bench-kernels "${KERNELS:-tokamax_direct,pallas_mgpu,pallas_mgpu_untuned}" \
+        --sizes "${SIZES:-16384,65536}" --bench-dims "${DIMS:-128,64}" \
+        --rounds "${PAIR_ROUNDS:-8}" --device-rounds "${DEVICE_ROUNDS:-7}" \
+        2>&1 | tee "$OUT/pair_$run.log"
+    mv "$OUT/kernels_gpu.json" "$OUT/pair_$run.json"
+    ;;
+*)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,203 @@
+"""Tile sizes of the Hopper kernel (``pallas_mgpu``) chosen by measurement, per shape class.
+
+The best block sizes of a FlashAttention kernel depend on the GPU, the head dim and the
+mask: FlashAttention-3 fixes them per head dim and causality in its launch templates
+(Shah et al., 2024, §4.1: "block sizes ... chosen per head dimension"), tokamax 0.0.17
+keeps an autotuning cache keyed by the call's shapes.  ``DEFAULT_MGPU_CONFIGS`` holds one
+hand-measured config per head dim; this module adds a table of measured ones, keyed by
+
+    (GPU, dtype, head dim, tile kind, mask)
+
+where ``mask`` is ``"none"`` (no mask on the tile), ``"causal"`` (a causal mask or a
+sliding window: tiles visible along the diagonal) or ``"segments"`` (segment ids, with
+or without another mask: packed documents, whose visible tiles follow the documents).  The forward fields (``block_q``, ``block_kv``, ``num_stages``) and the
+backward fields are tuned and stored apart: each half of a config is chosen by the time
+of its own kernel(s).  The tuner measures two classes per head dim, a dense tile with no
+mask and an aligned (diagonal) one with a causal mask; a key the table lacks falls back
+to the class with its mask (a ring's off-diagonal tiles are the same kernel with other
+positions), then to ``DEFAULT_MGPU_CONFIGS``.  Segment ids have no tuned class yet and
+run the defaults (which the packed-document benchmarks measured).
+
+The table is ``mgpu_tuned.json`` beside this file, written by
+``benchmarks/mgpu_tune.py`` (``autotune`` below, run on the GPU it names), and committed:
+a user's first call never pays a search.  Sequence length is not part of the key: the
+tuner runs at 16k tokens and RESULTS.md checks the picks at 64k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT,
+                                                   MgpuConfig, backward_smem_bytes,
+                                                   forward_smem_bytes)
+
+FWD_FIELDS = ("block_q", "block_kv", "num_stages")
+BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
+              "split_dq", "overlap_bwd")
+MASKS = ("none", "causal", "segments")
+TILES = ("dense", "aligned", "general")
+TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")
+
+
+def gpu_key(device_kind: str) -> str:
+    """A device kind as a table key: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    key = re.sub(r"[^a-z0-9]+", "_", str(device_kind).lower()).strip("_")
+    if not key:
+        raise ValueError(f"device_kind={device_kind!r} gives an empty key")
+    return key
+
+
+def table_key(gpu: str, dtype: str, head_dim: int, tile: str, mask: str) -> str:
+    """``"nvidia_h200/bfloat16/d128/aligned/causal"``; arguments are checked."""
+    if tile not in TILES:
+        raise ValueError(f"tile={tile!r} must be one of {TILES}")
+    if mask not in MASKS:
+        raise ValueError(f"mask={mask!r} must be one of {MASKS}")
+    if head_dim not in DEFAULT_MGPU_CONFIGS:
+        raise ValueError(f"head_dim={head_dim} must be one of {tuple(DEFAULT_MGPU_CONFIGS)}")
+    return f"{gpu}/{dtype}/d{head_dim}/{tile}/{mask}"
+
+
+def _check_entry(key: str, entry) -> dict:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"mgpu tuning table: entry {key!r} must be an object")
+    out = {}
+    for part, fields in (("fwd", FWD_FIELDS), ("bwd", BWD_FIELDS)):
+        got = entry.get(part, {})
+        extra = set(got) - set(fields)
+        if extra:
+            raise ValueError(f"mgpu tuning table: entry {key!r} {part} has unknown fields "
+                             f"{sorted(extra)} (allowed: {fields})")
+        out[part] = dict(got)
+    # a config that MgpuConfig refuses is an error in the table, not at the first call
+    MgpuConfig(**{**out["fwd"], **out["bwd"]})
+    return out
+
+
+def parse_table(data: Mapping) -> Dict[str, dict]:
+    """Validate a table read from JSON: ``{"entries": {key: {"fwd": {...}, "bwd": {...},
+    ...}}, ...}``.  Extra keys of an entry (the measured times) are kept out."""
+    entries = data.get("entries")
+    if not isinstance(entries, Mapping):
+        raise ValueError("mgpu tuning table: no 'entries' object")
+    return {k: _check_entry(k, e) for k, e in entries.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(path: str = str(TABLE_PATH)) -> Mapping[str, dict]:
+    """The committed table (``{}`` when the file is absent)."""
+    p = Path(path)
+    if not p.exists():
+        return {}
+    return parse_table(json.loads(p.read_text()))
+
+
+def lookup(gpu: str, dtype: str, head_dim: int, tile: str, mask: str,
+           table: Optional[Mapping[str, dict]] = None) -> Tuple[MgpuConfig, str]:
+    """``(config, source)``: the tuned config of this shape class, with ``source`` the
+    table key it came from, or ``"default"`` (``DEFAULT_MGPU_CONFIGS``)."""
+    table = load_table() if table is None else table
+    base = DEFAULT_MGPU_CONFIGS[head_dim]
+    # then the class that was tuned for this mask: a causal tile of another kind (a
+    # ring's off-diagonal ones) as the aligned causal one, unmasked ones as dense
+    keys = [table_key(gpu, dtype, head_dim, tile, mask)]
+    if mask in ("none", "causal"):
+        keys.append(table_key(gpu, dtype, head_dim, *(("aligned", "causal") if mask == "causal"
+                                                      else ("dense", "none"))))
+    for key in keys:
+        entry = table.get(key)
+        if entry is not None:
+            fields = {**dataclasses.asdict(base), **entry["fwd"], **entry["bwd"]}
+            return MgpuConfig(**fields), key
+    return base, "default"
+
+
+# --------------------------------------------------------------------------- the tuner
+def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
+    """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, that fit a
+    CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
+    accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers)."""
+    base = DEFAULT_MGPU_CONFIGS[head_dim]
+    out = []
+    for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
+        cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages)
+        if forward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
+            out.append(cfg)
+    return out
+
+
+def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
+    """Backward tiles to try: 64 or 128 keys per consumer and queries per stage, 2 or 3
+    stages, for the two kernels with FA3's in-warpgroup overlap and 128-key dQ stages
+    (both measured better before: ``DEFAULT_MGPU_CONFIGS``'s comment) and for the
+    atomic-dQ kernel (split between the consumers from D 128), that fit shared memory."""
+    base = DEFAULT_MGPU_CONFIGS[head_dim]
+    variants = [dict(atomic_dq=False, split_dq=False, overlap_bwd=True, block_kv_dq=128),
+                dict(atomic_dq=True, split_dq=head_dim >= 128, overlap_bwd=False,
+                     block_kv_dq=128)]
+    out = []
+    for bq, bk, stages in itertools.product((64, 128), (64, 128), (2, 3)):
+        for var in variants:
+            cfg = dataclasses.replace(base, block_q_bwd=bq, block_kv_bwd=bk,
+                                      num_stages_bwd=stages, **var)
+            if backward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
+                out.append(cfg)
+    return out
+
+
+def wall_timer(runs: Mapping, rounds: int, clock: Callable[[], float] = time.perf_counter
+               ) -> Dict[object, float]:
+    """Median milliseconds of each ``name: fn`` (a function of no arguments that runs the
+    kernel and blocks until it is done), all timed in alternation: one call each per
+    round, in a fresh seeded order every round, so that clock drift and each call's
+    predecessor hit all alike."""
+    import numpy as np
+    names = list(runs)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for i in np.random.default_rng(r).permutation(len(names)):
+            t0 = clock()
+            runs[names[i]]()
+            times[names[i]].append(1e3 * (clock() - t0))
+    return {n: statistics.median(times[n]) for n in names}
+
+
+def autotune(candidates: Sequence[MgpuConfig], build: Callable[[MgpuConfig], Callable],
+             *, rounds: int = 10, timer: Optional[Callable] = None,
+             on_error: Optional[Callable] = None) -> List[Tuple[MgpuConfig, float]]:
+    """Time each candidate and return ``[(config, ms)]``, fastest first.
+
+    ``build(config)`` compiles (and should check) the kernel and returns a function of no
+    arguments that runs it once and blocks; a candidate whose build raises is left out
+    and ``on_error(config, exc)`` is told.  ``timer(runs, rounds) -> {config: ms}`` times
+    the built functions (default ``wall_timer``; ``benchmarks/mgpu_tune.py`` passes the
+    device's clock)."""
+    runs = {}
+    for cfg in candidates:
+        try:
+            runs[cfg] = build(cfg)
+        except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
+            if on_error is not None:
+                on_error(cfg, e)
+    if not runs:
+        raise RuntimeError("autotune: every candidate failed to build")
+    ms = (timer or wall_timer)(runs, rounds)
+    return sorted(((c, float(ms[c])) for c in runs), key=lambda x: x[1])
+
+
+def fields_of(config: MgpuConfig, fields: Iterable[str]) -> dict:
+    return {f: getattr(config, f) for f in fields}
+
+
+__all__ = ["BWD_FIELDS", "FWD_FIELDS", "MASKS", "TABLE_PATH", "TILES", "autotune",
+           "backward_candidates", "fields_of", "forward_candidates", "gpu_key", "load_table",
+           "lookup", "parse_table", "table_key", "wall_timer"]
