@@ -52,17 +52,22 @@ def _rel(a, b):
 
 
 def _timer(reps):
-    """Device-clock timer for ``mgpu_tuning.autotune``: each measurement dispatches
-    ``reps`` calls back to back (the built functions do not block) and waits once, so
-    that short kernels are not timed alone; wall clock if the profiler trace fails."""
+    """Device-clock timer for ``mgpu_tuning.autotune``: one synchronised call per
+    measurement, as ``kernels.py pair`` times them (the device time leaves the host's
+    dispatch out).  Wall clock if the profiler trace cannot be read, then with ``reps``
+    calls dispatched back to back per measurement so that the host's round trip is a
+    small part.  (A first H100 run timed ``reps`` back-to-back calls on the device clock
+    too, and ranked D 64 forward tiles in an order that single calls in rotation
+    contradicted by 24%: RESULTS.md, "Hopper tiles by measurement".)"""
     def timer(runs, rounds):
         names = {f"c{i}": cfg for i, cfg in enumerate(runs)}
+        one = {c: (lambda go=go: jax.block_until_ready(go())) for c, go in runs.items()}
+        dev = device_rounds({n: (one[c], ()) for n, c in names.items()}, rounds)
+        if len(dev) == len(names):
+            return {names[n]: ms for n, ms in dev.items()}
+        print("  device clock unavailable: wall clock", flush=True)
         many = {c: (lambda go=go: jax.block_until_ready([go() for _ in range(reps)]))
                 for c, go in runs.items()}
-        dev = device_rounds({n: (many[c], ()) for n, c in names.items()}, rounds)
-        if len(dev) == len(names):
-            return {names[n]: ms / reps for n, ms in dev.items()}
-        print("  device clock unavailable: wall clock", flush=True)
         return {c: ms / reps for c, ms in mt.wall_timer(many, rounds).items()}
     return timer
 
