@@ -134,6 +134,47 @@ def tune_class(D, masked, S, H, rounds, reps, log):
     return out
 
 
+def general_tiles(dims, S, H, rounds, log):
+    """``--general``: the table's pick for general causal tiles (it falls back to the
+    aligned causal class) against the per-head-dim default, on ring tiles: device 2's
+    queries against device 1's keys of a 4-device ring, zigzag and striped, each tile
+    ``S`` tokens, forward and backward, on the device's clock in rotation."""
+    from jax_seqpar.layouts import shard_positions
+    gpu = mt.gpu_key(jax.devices()[0].device_kind)
+    rows = []
+    for D in dims:
+        tuned, src = mt.lookup(gpu, "bfloat16", D, "general", "causal")
+        default = DEFAULT_MGPU_CONFIGS[D]
+        ks = jax.random.split(jax.random.PRNGKey(D), 4)
+        q, k, v, do = (jax.random.normal(x, (1, S, H, D), jnp.bfloat16) for x in ks)
+        for layout in ("zigzag", "striped"):
+            qp = jnp.asarray(shard_positions(layout, 2, S, 4, xp=np), jnp.int32)
+            kp = jnp.asarray(shard_positions(layout, 1, S, 4, xp=np), jnp.int32)
+            mask = MaskSpec(causal=True)
+            calls, outs = {}, {}
+            for name, cfg in (("tuned", tuned), ("default", default)):
+                f = jax.jit(lambda q, k, v, c=cfg: mgpu_fwd(q, k, v, qp, kp, mask, D ** -0.5,
+                                                           config=c))
+                o, lse = jax.block_until_ready(f(q, k, v))
+                b = jax.jit(lambda q, k, v, o, lse, do, c=cfg: mgpu_bwd(
+                    q, k, v, o, lse, do, qp, kp, mask, D ** -0.5, config=c))
+                g = jax.block_until_ready(b(q, k, v, o, lse, do))
+                outs[name] = (o, g)
+                calls[f"{name} fwd"] = (lambda f=f: jax.block_until_ready(f(q, k, v)), ())
+                calls[f"{name} bwd"] = (lambda b=b, o=o, lse=lse: jax.block_until_ready(
+                    b(q, k, v, o, lse, do)), ())
+            err = max([_rel(outs["tuned"][0], outs["default"][0])]
+                      + [_rel(a, b) for a, b in zip(outs["tuned"][1], outs["default"][1])])
+            dev = device_rounds(calls, rounds)
+            row = dict(D=D, layout=layout, source=src, err_vs_default=err,
+                       **{k.replace(" ", "_") + "_ms": v for k, v in dev.items()})
+            rows.append(row)
+            log(f"general D={D} {layout}: tuned ({src}) fwd {dev.get('tuned fwd', 0):.3f} ms "
+                f"bwd {dev.get('tuned bwd', 0):.3f}; default fwd {dev.get('default fwd', 0):.3f}"
+                f" bwd {dev.get('default bwd', 0):.3f}; outputs differ by {err:.1e}")
+    return rows
+
+
 def entries_from(run: dict) -> dict:
     """Table entries (``mgpu_tuning`` format) from one run's classes."""
     gpu = mt.gpu_key(run["env"]["device_kind"])
@@ -162,6 +203,8 @@ def main():
     p.add_argument("--merge", nargs="+", default=None,
                    help="run files to merge into --table instead of tuning")
     p.add_argument("--table", default=None, help="table file to write (merge mode)")
+    p.add_argument("--general", action="store_true",
+                   help="time the table's general causal tiles against the defaults instead")
     args = p.parse_args()
     if args.merge:
         if not args.table:
@@ -183,6 +226,12 @@ def main():
 
     def log(msg):
         print(msg, flush=True)
+    if args.general:
+        rows = general_tiles([int(x) for x in args.dims.split(",")], args.seq, args.heads,
+                             args.rounds, log)
+        save_json(dict(env=env_info(), seq=args.seq, heads=args.heads, general=rows),
+                  args.out)
+        return 0
     run = dict(env=env_info(), seq=args.seq, heads=args.heads, rounds=args.rounds,
                classes=[])
     for D in (int(x) for x in args.dims.split(",")):
