@@ -4,8 +4,8 @@ For each head dim and mask (no mask on a dense tile, causal on an aligned one), 
 ``--seq`` tokens, B 1, ``--heads`` heads, bf16:
 
 * every forward candidate of ``mgpu_tuning.forward_candidates`` is compiled, its output
-  and lse checked against the per-head-dim default config's (bf16 budget of DESIGN.md),
-  and timed; the same for the backward candidates (gradients from the same ``o``, lse);
+  and lse checked against the per-head-dim default config's (the bf16 budget of
+  docs/ARCHITECTURE.md, "Numerics and how the tests hold them"), and timed; the same for the backward candidates (gradients from the same ``o``, lse);
 * timing is on the device's clock (``_profile.device_rounds``: all candidates of a phase
   in a fresh order each round, first kernel start to last kernel end), falling back to
   the wall clock when the trace cannot be read;
@@ -42,7 +42,7 @@ from jax_seqpar.masks import MaskSpec  # noqa: E402
 from _profile import device_rounds  # noqa: E402
 from _util import env_info, save_json  # noqa: E402
 
-BUDGET = 2e-2  # bf16, DESIGN.md
+BUDGET = 2e-2  # bf16: docs/ARCHITECTURE.md, "Numerics and how the tests hold them"
 
 
 def _rel(a, b):
