@@ -5,10 +5,11 @@ For each head dim and mask (no mask on a dense tile, causal on an aligned one), 
 
 * every forward candidate of ``mgpu_tuning.forward_candidates`` is compiled, its output
   and lse checked against the per-head-dim default config's (the bf16 budget of
-  docs/ARCHITECTURE.md, "Numerics and how the tests hold them"), and timed; the same for the backward candidates (gradients from the same ``o``, lse);
+  docs/ARCHITECTURE.md, "Numerics and how the tests hold them"), and timed; the same
+  for the backward candidates (gradients from the same ``o``, lse);
 * timing is on the device's clock (``_profile.device_rounds``: all candidates of a phase
-  in a fresh order each round, first kernel start to last kernel end), falling back to
-  the wall clock when the trace cannot be read;
+  in a fresh order each round, one synchronised call each, first kernel start to last
+  kernel end), falling back to the wall clock when the trace cannot be read;
 * the fastest forward and backward halves form the table entry, with both times and
   the default's beside them.
 
