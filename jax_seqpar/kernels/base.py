@@ -97,6 +97,26 @@ class KernelRequest:
             raise ValueError(f"tile={self.tile!r} must be one of {TILE_KINDS}")
 
 
+def index_masked_tile(name: str, mask: MaskSpec, tile: str, why: str,
+                      alternatives: str) -> bool:
+    """The rule shared by backends that apply masks by local index and read no positions
+    (cuDNN, tokamax): whether this tile carries a mask they must apply by index (False:
+    no mask at all).  Refuses, with ``NotImplementedError``: block masks, a mask on a
+    dense tile, and any mask on a general tile (``why`` says why the backend cannot,
+    ``alternatives`` which backends can)."""
+    if mask.block_mask is not None:
+        raise NotImplementedError(f"kernel={name!r} has no block-sparse masks")
+    if mask.is_dense:
+        return False
+    if tile == TILE_DENSE:
+        raise NotImplementedError(f"kernel={name!r}: a dense tile was given a mask")
+    if tile != TILE_ALIGNED:
+        raise NotImplementedError(
+            f"kernel={name!r} {why}, so it serves only dense tiles and aligned (diagonal) "
+            f"tiles; a general tile needs {alternatives}")
+    return True
+
+
 class AttentionKernel(Protocol):
     name: str
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_seqpar.runtime import _compat
-from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
+from jax_seqpar.kernels.base import (TILE_GENERAL, KernelRequest, index_masked_tile,
                                      register_kernel)
 from jax_seqpar.masks import MaskSpec
 
@@ -59,16 +59,9 @@ def cudnn_mask(mask: MaskSpec, tile: str):
     ``mask`` applies to a tile of kind ``tile``; dense masks need nothing, aligned tiles
     take causal masks and windows whose right side stops at the diagonal.
     """
-    if mask.block_mask is not None:
-        raise NotImplementedError("kernel='cudnn' has no block-sparse masks")
-    if mask.is_dense:
+    if not index_masked_tile("cudnn", mask, tile, "reads no positions",
+                             "kernel='pallas' or 'xla'"):
         return False, None
-    if tile == TILE_DENSE:
-        raise NotImplementedError("kernel='cudnn': a dense tile was given a mask")
-    if tile != TILE_ALIGNED:
-        raise NotImplementedError(
-            "kernel='cudnn' reads no positions, so it serves only dense tiles and aligned "
-            "(diagonal) tiles; a general tile needs kernel='pallas' or 'xla'")
     if mask.right_limit != 0:
         raise NotImplementedError(
             f"kernel='cudnn' applies windows only up to the diagonal (causal=True or a "

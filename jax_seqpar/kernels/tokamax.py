@@ -40,7 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
+from jax_seqpar.kernels.base import (TILE_GENERAL, KernelRequest, index_masked_tile,
                                      register_kernel)
 from jax_seqpar.masks import MaskSpec
 
@@ -63,17 +63,10 @@ def tokamax_module():
 def tokamax_mask(mask: MaskSpec, tile: str):
     """``(causal, window)`` for tokamax (``window = (left, right)`` or None), or
     ``NotImplementedError`` saying why."""
-    if mask.block_mask is not None:
-        raise NotImplementedError("kernel='tokamax' has no block-sparse masks")
-    if mask.is_dense:
+    if not index_masked_tile("tokamax", mask, tile,
+                             "applies masks by local index (its per-row key ranges)",
+                             "kernel='pallas_mgpu', 'pallas' or 'xla'"):
         return False, None
-    if tile == TILE_DENSE:
-        raise NotImplementedError("kernel='tokamax': a dense tile was given a mask")
-    if tile != TILE_ALIGNED:
-        raise NotImplementedError(
-            "kernel='tokamax' applies masks by local index (its per-row key ranges), so "
-            "it serves only dense tiles and aligned (diagonal) tiles; a general tile "
-            "needs kernel='pallas_mgpu', 'pallas' or 'xla'")
     if mask.window is None:
         return True, None
     return False, (mask.left_limit, mask.right_limit)
