@@ -2,7 +2,9 @@
 # Issue 41 on one Hopper GPU through the device tool, one phase per call:
 #
 #   bash benchmarks/hopper_tiles_gpu.sh tune 128     # mgpu_tune.py for head dim 128 -> $OUT
-#   bash benchmarks/hopper_tiles_gpu.sh tune 64
+#   bash benchmarks/hopper_tiles_gpu.sh tune 64      # (MASKS=none,causal PHASES=fwd ... to narrow)
+#   bash benchmarks/hopper_tiles_gpu.sh check RUN    # kernels.py check of the table's configs
+#                                                    # and of the persistent forward
 #   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
 #
@@ -10,7 +12,7 @@
 # .whl/tokamax (the GPU machine has no network) and puts an empty stand-in for `xprof`
 # on the path: tokamax imports it at import time for its own benchmarking module only.
 set -euo pipefail
-phase=${1:?tune DIM | pair RUN}
+phase=${1:?tune DIM | check RUN | pair RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
 export OUT
 mkdir -p "$OUT"
@@ -19,8 +21,18 @@ cd "$(dirname "$0")"
 case "$phase" in
 tune)
     dim=${2:?head dim}
+    tag=${TAG:-d$dim}
     timeout "${TUNE_S:-500}" python -X faulthandler mgpu_tune.py --dims "$dim" \
-        --rounds "${ROUNDS:-7}" --out "$OUT/tune_d$dim.json" 2>&1 | tee "$OUT/tune_d$dim.log"
+        --masks "${MASKS:-none,causal,segments}" --phases "${PHASES:-fwd,bwd}" \
+        --rounds "${ROUNDS:-7}" --out "$OUT/tune_$tag.json" 2>&1 | tee "$OUT/tune_$tag.log"
+    ;;
+check)
+    run=${2:?run name}
+    timeout "${CHECK_S:-300}" python kernels.py --phases check \
+        --check-kernels "${KERNELS:-pallas_mgpu,persistent}" \
+        --mgpu-variant persistent:persistent=true --dims 64,128 --dtypes bfloat16 \
+        2>&1 | tee "$OUT/check_$run.log"
+    mv "$OUT/kernels_gpu.json" "$OUT/check_$run.json"
     ;;
 pair)
     run=${2:?run name}

@@ -73,27 +73,42 @@ def _timer(reps):
     return timer
 
 
-def tune_class(D, masked, S, H, rounds, reps, log):
-    """Forward and backward rankings of one (head dim, mask) class."""
+def packed_segments(S, mean=4096, seed=0, sigma=0.6):
+    """Segment ids ``[1, S]`` of documents of log-normal lengths around ``mean`` tokens
+    (the packed-document benchmark's distribution, ``packed.py``)."""
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < S:
+        lens.append(max(1, int(rng.lognormal(np.log(mean), sigma))))
+    return jnp.asarray(np.repeat(np.arange(len(lens)), lens)[:S][None], jnp.int32)
+
+
+def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd")):
+    """Forward and backward rankings of one (head dim, mask) class: ``mask_kind`` is
+    ``none``, ``causal`` or ``segments`` (causal packed documents around 4k tokens)."""
+    masked = mask_kind != "none"
     ks = jax.random.split(jax.random.PRNGKey(D + masked), 4)
     q, k, v, do = (jax.random.normal(x, (1, S, H, D), jnp.bfloat16) for x in ks)
     pos = jnp.arange(S, dtype=jnp.int32)
     mask = MaskSpec(causal=masked)
+    seg = (packed_segments(S),) * 2 if mask_kind == "segments" else ()
     scale = D ** -0.5
     default = DEFAULT_MGPU_CONFIGS[D]
 
     def fwd_fn(cfg):
-        return jax.jit(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, mask, scale, config=cfg))
+        return jax.jit(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, mask, scale, *seg,
+                                                config=cfg))
 
     def bwd_fn(cfg):
         return jax.jit(lambda q, k, v, o, lse, do: mgpu_bwd(
-            q, k, v, o, lse, do, pos, pos, mask, scale, config=cfg))
+            q, k, v, o, lse, do, pos, pos, mask, scale, *seg, config=cfg))
 
     ref_o, ref_lse = jax.block_until_ready(fwd_fn(default)(q, k, v))
-    ref_g = jax.block_until_ready(bwd_fn(default)(q, k, v, ref_o, ref_lse, do))
+    ref_g = (jax.block_until_ready(bwd_fn(default)(q, k, v, ref_o, ref_lse, do))
+             if "bwd" in phases else None)
 
     def errors(cfg, e):
-        log(f"  D={D} masked={masked} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        log(f"  D={D} mask={mask_kind} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
 
     def build_fwd(cfg):
         t0 = time.perf_counter()
@@ -102,7 +117,7 @@ def tune_class(D, masked, S, H, rounds, reps, log):
         err = max(_rel(o, ref_o), _rel(lse, ref_lse))
         if not err <= BUDGET:
             raise AssertionError(f"forward differs from the default config's by {err:.2e}")
-        log(f"  fwd D={D} masked={masked} {mt.fields_of(cfg, mt.FWD_FIELDS)}: compiled and "
+        log(f"  fwd D={D} mask={mask_kind} {mt.fields_of(cfg, mt.FWD_FIELDS)}: compiled and "
             f"checked ({err:.1e}) in {time.perf_counter() - t0:.1f} s")
         return lambda: f(q, k, v)
 
@@ -113,7 +128,7 @@ def tune_class(D, masked, S, H, rounds, reps, log):
         err = max(_rel(a, b) for a, b in zip(g, ref_g))
         if not err <= BUDGET:
             raise AssertionError(f"gradients differ from the default config's by {err:.2e}")
-        log(f"  bwd D={D} masked={masked} {mt.fields_of(cfg, mt.BWD_FIELDS)}: compiled and "
+        log(f"  bwd D={D} mask={mask_kind} {mt.fields_of(cfg, mt.BWD_FIELDS)}: compiled and "
             f"checked ({err:.1e}) in {time.perf_counter() - t0:.1f} s")
         return lambda: f(q, k, v, ref_o, ref_lse, do)
 
@@ -121,6 +136,8 @@ def tune_class(D, masked, S, H, rounds, reps, log):
     for phase, cands, build, fields in (
             ("fwd", mt.forward_candidates(D), build_fwd, mt.FWD_FIELDS),
             ("bwd", mt.backward_candidates(D), build_bwd, mt.BWD_FIELDS)):
+        if phase not in phases:
+            continue
         key_default = mt.fields_of(default, fields)
         if all(mt.fields_of(c, fields) != key_default for c in cands):
             cands = [default] + list(cands)
@@ -130,7 +147,7 @@ def tune_class(D, masked, S, H, rounds, reps, log):
         dflt = [r["ms"] for r in rows if r["fields"] == key_default]
         out[phase] = dict(ranked=rows, best=rows[0]["fields"], best_ms=rows[0]["ms"],
                           default_ms=dflt[0] if dflt else None)
-        log(f"{phase} D={D} masked={masked}: best {rows[0]['fields']} {rows[0]['ms']:.3f} ms"
+        log(f"{phase} D={D} mask={mask_kind}: best {rows[0]['fields']} {rows[0]['ms']:.3f} ms"
             f" (default {out[phase]['default_ms']}) of {len(rows)} candidates")
     return out
 
@@ -176,28 +193,41 @@ def general_tiles(dims, S, H, rounds, log):
     return rows
 
 
-def entries_from(run: dict) -> dict:
-    """Table entries (``mgpu_tuning`` format) from one run's classes."""
+def entries_from(run: dict, old: dict) -> dict:
+    """Table entries (``mgpu_tuning`` format) from one run's classes; a phase the run did
+    not tune keeps its fields (and times) from ``old``, the table's entry of that key."""
     gpu = mt.gpu_key(run["env"]["device_kind"])
     out = {}
     for c in run["classes"]:
-        tile, mask = ("aligned", "causal") if c["masked"] else ("dense", "none")
-        key = mt.table_key(gpu, "bfloat16", c["D"], tile, mask)
-        out[key] = dict(fwd=c["fwd"]["best"], bwd=c["bwd"]["best"],
-                        fwd_ms=round(c["fwd"]["best_ms"], 4),
-                        fwd_default_ms=c["fwd"]["default_ms"] and round(c["fwd"]["default_ms"], 4),
-                        bwd_ms=round(c["bwd"]["best_ms"], 4),
-                        bwd_default_ms=c["bwd"]["default_ms"] and round(c["bwd"]["default_ms"], 4),
-                        seq=run["seq"], heads=run["heads"], date=run["env"]["date"],
-                        jax=run["env"]["jax"])
+        kind = c.get("mask", "causal" if c.get("masked") else "none")
+        tile = "dense" if kind == "none" else "aligned"
+        key = mt.table_key(gpu, "bfloat16", c["D"], tile, kind)
+        entry = {k: v for k, v in old.get(key, {}).items()}
+        for phase in ("fwd", "bwd"):
+            if phase not in c:
+                if phase not in entry:
+                    fields = mt.FWD_FIELDS if phase == "fwd" else mt.BWD_FIELDS
+                    entry[phase] = mt.fields_of(DEFAULT_MGPU_CONFIGS[c["D"]], fields)
+                continue
+            dflt = c[phase]["default_ms"]
+            entry.update({phase: c[phase]["best"],
+                          f"{phase}_ms": round(c[phase]["best_ms"], 4),
+                          f"{phase}_default_ms": dflt and round(dflt, 4),
+                          f"{phase}_date": run["env"]["date"]})
+        entry.update(seq=c.get("seq", run["seq"]), heads=run["heads"], date=run["env"]["date"],
+                     jax=run["env"]["jax"])
+        out[key] = entry
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="64,128")
-    p.add_argument("--masks", default="none,causal")
+    p.add_argument("--masks", default="none,causal,segments")
+    p.add_argument("--phases", default="fwd,bwd", help="fwd, bwd or both")
     p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--seq-segments", type=int, default=65536,
+                   help="tokens of the packed-document class (documents around 4k)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default="benchmarks/out/mgpu_tune.json")
@@ -210,9 +240,13 @@ def main():
     if args.merge:
         if not args.table:
             p.error("--merge needs --table")
-        entries = {}
+        try:  # runs update the table's entries; the others stay
+            with open(args.table) as f:
+                entries = json.load(f)["entries"]
+        except FileNotFoundError:
+            entries = {}
         for path in args.merge:
-            entries.update(entries_from(json.load(open(path))))
+            entries.update(entries_from(json.load(open(path)), entries))
         mt.parse_table({"entries": entries})  # refuse a table the kernel would refuse
         table = {"about": "pallas_mgpu tiles by measurement: benchmarks/mgpu_tune.py; "
                           "kernels/mgpu_tuning.py reads the fwd/bwd fields",
@@ -237,15 +271,20 @@ def main():
                classes=[])
     for D in (int(x) for x in args.dims.split(",")):
         for m in args.masks.split(","):
-            masked = {"none": False, "causal": True}[m]
-            # about 20 ms of kernels per measurement
-            flops = 4 * args.heads * args.seq ** 2 * D / (2 if masked else 1)
+            if m not in ("none", "causal", "segments"):
+                p.error(f"--masks: {m!r} is not none, causal or segments")
+            S = args.seq_segments if m == "segments" else args.seq
+            # about 20 ms of kernels per measurement (wall-clock fallback only)
+            flops = 4 * args.heads * S ** 2 * D / (1 if m == "none" else 2)
+            if m == "segments":
+                flops *= 4096 / S
             fwd_ms = flops / 500e12 * 1e3
             reps = {"fwd": max(1, round(20 / fwd_ms)), "bwd": max(1, round(20 / (2.5 * fwd_ms)))}
-            res = tune_class(D, masked, args.seq, args.heads, args.rounds, reps, log)
-            run["classes"].append(dict(D=D, masked=masked, reps=reps, **res))
+            res = tune_class(D, m, S, args.heads, args.rounds, reps, log,
+                             phases=args.phases.split(","))
+            run["classes"].append(dict(D=D, mask=m, seq=S, reps=reps, **res))
             save_json(run, args.out)
-    print(json.dumps(entries_from(run), indent=1))
+    print(json.dumps(entries_from(run, {}), indent=1))
     return 0
 
 

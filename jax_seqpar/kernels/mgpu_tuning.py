@@ -10,18 +10,20 @@ hand-measured config per head dim; this module adds a table of measured ones, ke
 
 where ``mask`` is ``"none"`` (no mask on the tile), ``"causal"`` (a causal mask or a
 sliding window: tiles visible along the diagonal) or ``"segments"`` (segment ids, with
-or without another mask: packed documents, whose visible tiles follow the documents).  The forward fields (``block_q``, ``block_kv``, ``num_stages``) and the
+or without another mask: packed documents, whose visible tiles follow the documents).
+The forward fields (``block_q``, ``block_kv``, ``num_stages``, ``persistent``) and the
 backward fields are tuned and stored apart: each half of a config is chosen by the time
-of its own kernel(s).  The tuner measures two classes per head dim, a dense tile with no
-mask and an aligned (diagonal) one with a causal mask; a key the table lacks falls back
-to the class with its mask (a ring's off-diagonal tiles are the same kernel with other
-positions), then to ``DEFAULT_MGPU_CONFIGS``.  Segment ids have no tuned class yet and
-run the defaults (which the packed-document benchmarks measured).
+of its own kernel(s).  The tuner measures three classes per head dim: a dense tile with
+no mask, an aligned (diagonal) one with a causal mask, and an aligned one of packed
+documents (causal, segment ids of log-normal lengths around 4k tokens).  A key the table
+lacks falls back to the class with its mask (a ring's off-diagonal tiles are the same
+kernel with other positions), then to ``DEFAULT_MGPU_CONFIGS``.
 
 The table is ``mgpu_tuned.json`` beside this file, written by
 ``benchmarks/mgpu_tune.py`` (``autotune`` below, run on the GPU it names), and committed:
 a user's first call never pays a search.  Sequence length is not part of the key: the
-tuner runs at 16k tokens and RESULTS.md checks the picks at 64k.
+tuner runs at 16k tokens (packed documents at 64k) and RESULTS.md checks the picks at
+both lengths.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
                                                    MgpuConfig, backward_smem_bytes,
                                                    forward_smem_bytes)
 
-FWD_FIELDS = ("block_q", "block_kv", "num_stages")
+FWD_FIELDS = ("block_q", "block_kv", "num_stages", "persistent")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
               "split_dq", "overlap_bwd")
 MASKS = ("none", "causal", "segments")
@@ -110,9 +112,9 @@ def lookup(gpu: str, dtype: str, head_dim: int, tile: str, mask: str,
     # then the class that was tuned for this mask: a causal tile of another kind (a
     # ring's off-diagonal ones) as the aligned causal one, unmasked ones as dense
     keys = [table_key(gpu, dtype, head_dim, tile, mask)]
-    if mask in ("none", "causal"):
-        keys.append(table_key(gpu, dtype, head_dim, *(("aligned", "causal") if mask == "causal"
-                                                      else ("dense", "none"))))
+    keys.append(table_key(gpu, dtype, head_dim, *{"causal": ("aligned", "causal"),
+                                                  "none": ("dense", "none"),
+                                                  "segments": ("aligned", "segments")}[mask]))
     for key in keys:
         entry = table.get(key)
         if entry is not None:
@@ -123,13 +125,16 @@ def lookup(gpu: str, dtype: str, head_dim: int, tile: str, mask: str,
 
 # --------------------------------------------------------------------------- the tuner
 def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
-    """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, that fit a
-    CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
-    accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers)."""
+    """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, launched per
+    query block or persistent, that fit a CTA's shared memory (``block_q`` stays 64 rows
+    per consumer: a warpgroup's ``wgmma`` accumulators of 64 x ``block_kv`` scores and
+    64 x D outputs fill its registers)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     out = []
-    for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
-        cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages)
+    for persistent, bk, stages in itertools.product((False, True), (64, 128, 192, 256),
+                                                    (2, 3, 4)):
+        cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages,
+                                  persistent=persistent)
         if forward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
             out.append(cfg)
     return out
