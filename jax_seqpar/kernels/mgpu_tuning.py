@@ -11,7 +11,7 @@ hand-measured config per head dim; this module adds a table of measured ones, ke
 where ``mask`` is ``"none"`` (no mask on the tile), ``"causal"`` (a causal mask or a
 sliding window: tiles visible along the diagonal) or ``"segments"`` (segment ids, with
 or without another mask: packed documents, whose visible tiles follow the documents).
-The forward fields (``block_q``, ``block_kv``, ``num_stages``, ``persistent``) and the
+The forward fields (``block_q``, ``block_kv``, ``num_stages``) and the
 backward fields are tuned and stored apart: each half of a config is chosen by the time
 of its own kernel(s).  The tuner measures three classes per head dim: a dense tile with
 no mask, an aligned (diagonal) one with a causal mask, and an aligned one of packed
@@ -42,7 +42,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
                                                    MgpuConfig, backward_smem_bytes,
                                                    forward_smem_bytes)
 
-FWD_FIELDS = ("block_q", "block_kv", "num_stages", "persistent")
+FWD_FIELDS = ("block_q", "block_kv", "num_stages")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
               "split_dq", "overlap_bwd")
 MASKS = ("none", "causal", "segments")
@@ -125,16 +125,13 @@ def lookup(gpu: str, dtype: str, head_dim: int, tile: str, mask: str,
 
 # --------------------------------------------------------------------------- the tuner
 def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
-    """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, launched per
-    query block or persistent, that fit a CTA's shared memory (``block_q`` stays 64 rows
-    per consumer: a warpgroup's ``wgmma`` accumulators of 64 x ``block_kv`` scores and
-    64 x D outputs fill its registers)."""
+    """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, that fit a
+    CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
+    accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     out = []
-    for persistent, bk, stages in itertools.product((False, True), (64, 128, 192, 256),
-                                                    (2, 3, 4)):
-        cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages,
-                                  persistent=persistent)
+    for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
+        cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages)
         if forward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
             out.append(cfg)
     return out

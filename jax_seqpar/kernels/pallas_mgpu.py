@@ -50,8 +50,7 @@ from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
-    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes, num_sms, produce_kv,
-    tile_visible)
+    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes, produce_kv, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -63,10 +62,8 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     B, Lq, Hq, D = q.shape
     Hkv = k.shape[2]
     g = Hq // Hkv
-    nq = Lq // (2 * config.block_q)
     dtype = q.dtype
     bq, bk, stages = config.block_q, config.block_kv, config.num_stages
-    persistent = config.persistent
     has_seg = q_seg is not None
     c = scale * LOG2E
     pad_keys = Tk % bk != 0
@@ -76,29 +73,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
                kvseg_ref, o_ref, lse_ref, scoped):
-        (q_smem2, o_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
             (k_free, v_free), sched = scoped
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-
-        if persistent:
-            # work item w = h + Hq * (j + nq * b), j the launch-order index of the query
-            # block; CTA s runs items s, s + n, s + 2n, ... (n CTAs, one per SM)
-            sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
-            total = Hq * nq * B
-            n_mine = lax.div(total - sm + n_sm - 1, n_sm)
-
-            def item(i):
-                w = sm + i * n_sm
-                h = lax.rem(w, jnp.int32(Hq))
-                r = lax.div(w, jnp.int32(Hq))
-                b = lax.div(r, jnp.int32(nq))
-                return b, h, order_ref[b, lax.rem(r, jnp.int32(nq))]
-        else:
-            n_mine = 1
-
-            def item(i):
-                b = lax.axis_index("batch")
-                return b, lax.axis_index("heads"), order_ref[b, lax.axis_index("q_seq")]
+        cta = order_ref[b, lax.axis_index("q_seq")]
+        count = tbl_ref[b, cta, 0]
+        n_full = tbl_ref[b, cta, 1] if masked else count
 
         def rendezvous():  # the two consumers meet: FA3's ping-pong schedule barrier
             plgpu.barrier_arrive(sched)
@@ -107,138 +89,101 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            qs = q_smem2.at[wg]
-            os_ = o_smem2.at[wg]
-            lse_smem = lse_smem2.at[wg]
+            qo = qo_smem2.at[wg]
+            row0 = cta * (2 * bq) + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            if masked:
+                qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
+                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
 
-            def load_q(i):
-                b, h, cta = item(i)
-                row0 = cta * (2 * bq) + wg * bq
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qs, q_ready.at[wg])
+            def apply_mask(s, t):
+                start = tbl_ref[b, cta, t + 2] * bk
+                shape = (bq, bk)
+                kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None
+                pad = None
+                if pad_keys:
+                    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                    pad = col + start < Tk
+                ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
+                return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def run_item(i, done):
-                """One (query block, head, batch row); ``done``: K/V blocks this CTA
-                consumed before, so the ring's slots continue from there."""
-                b, h, cta = item(i)
-                count = tbl_ref[b, cta, 0]
-                n_full = tbl_ref[b, cta, 1] if masked else count
-                row0 = cta * (2 * bq) + wg * bq
-                plgpu.barrier_wait(q_ready.at[wg])
-                if masked:
-                    qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
-                    qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
-
-                def apply_mask(s, t):
-                    start = tbl_ref[b, cta, t + 2] * bk
-                    shape = (bq, bk)
-                    kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
-                    kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None
-                    pad = None
-                    if pad_keys:
-                        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                        pad = col + start < Tk
-                    ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
-                    return s if ok is None else jnp.where(ok, s, -jnp.inf)
-
-                def step(t, carry, masked_tile):
-                    acc, m, l = carry
-                    slot = lax.rem(t + done, jnp.int32(stages))
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, qs, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        rendezvous()
-                        return acc_ref[...]
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    if masked_tile:
-                        s = apply_mask(s, t)
-                    # scores stay unscaled; the scale (in log2 units) folds into the exp2
-                    # argument as one fused multiply-add per element
-                    m_new = jnp.maximum(m, s.max(axis=1) * c)
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked_tile else m_new
-                    alpha = jnp.exp2(m - m_use)
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l = l * alpha
-                    p16 = p.astype(dtype)
-
-                    def end_softmax():
-                        plgpu.barrier_arrive(sched)
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        plgpu.barrier_wait(sched)
-                    if D <= 128:
-                        l = l + p.sum(axis=1)
-                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                        end_softmax()
-                    else:
-                        end_softmax()
-                        l = l + p.sum(axis=1)
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        nxt = t + 1
-
-                        @pl.when(nxt < count)
-                        def _():
-                            plgpu.barrier_wait(k_ready.at[lax.rem(nxt + done,
-                                                                  jnp.int32(stages))])
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l
-
-                m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
-                l0 = plgpu.layout_cast(jnp.full((bq,), 0.0, F32), ROW)
-                acc0 = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
-
-                @pl.when(count > 0)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(done, jnp.int32(stages))])
-                pl.when(wg == 1)(rendezvous)
-                carry = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False),
-                                      (acc0, m0, l0))
-                if masked:
-                    carry = lax.fori_loop(n_full, count,
-                                          functools.partial(step, masked_tile=True), carry)
-                pl.when(wg == 0)(rendezvous)
-                if persistent:
-                    # every product that reads this query block has completed: start
-                    # loading the next item's while this one's output is written
-                    pl.when(i + 1 < n_mine)(lambda: load_q(i + 1))
-                    # the previous item's output and lse copies have read their blocks
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            def step(t, carry, masked_tile):
                 acc, m, l = carry
-                has = l > 0.0
-                l_safe = jnp.where(has, l, 1.0)
-                os_[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-                lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(os_, o_ref.at[b, pl.ds(row0, bq), h])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-                return done + count
+                slot = lax.rem(t, jnp.int32(stages))
 
-            if persistent:
-                pl.when(n_mine > 0)(lambda: load_q(0))
-                lax.fori_loop(0, n_mine, run_item, jnp.int32(0))
-            else:
-                load_q(0)
-                run_item(0, 0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    rendezvous()
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked_tile:
+                    s = apply_mask(s, t)
+                # scores stay unscaled; the scale (in log2 units) folds into the exp2
+                # argument as one fused multiply-add per element
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked_tile else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax():
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(sched)
+                if D <= 128:
+                    l = l + p.sum(axis=1)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l = l + p.sum(axis=1)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = t + 1
+
+                    @pl.when(nxt < count)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
+            l0 = plgpu.layout_cast(jnp.full((bq,), 0.0, F32), ROW)
+            acc0 = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+            pl.when(wg == 1)(rendezvous)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False),
+                                  (acc0, m0, l0))
+            if masked:
+                carry = lax.fori_loop(n_full, count,
+                                      functools.partial(step, masked_tile=True), carry)
+            pl.when(wg == 0)(rendezvous)
+            acc, m, l = carry
+            has = l > 0.0
+            l_safe = jnp.where(has, l, 1.0)
+            qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-
-            def produce_item(i, done):
-                b, h, cta = item(i)
-                count = tbl_ref[b, cta, 0]
-                produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)),
-                           k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           done=done)
-                return done + count
-            if persistent:
-                lax.fori_loop(0, n_mine, produce_item, jnp.int32(0))
-            else:
-                produce_item(0, 0)
+            produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                       v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free)
 
     def entry(*refs):
         if has_seg:
@@ -249,22 +194,13 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
              lse_ref) = refs
             qseg_ref = kvseg_ref = None
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        q_block = plgpu.SMEM((2, bq, D), dtype, transforms=swz)
-
-        def body(*scoped):
-            (q_smem2, *rest), *barriers = scoped
-            # without persistence the output is written over the query block it came from
-            o_smem2 = rest.pop(0) if persistent else q_smem2
-            kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
-                   kvseg_ref, o_ref, lse_ref, ((q_smem2, o_smem2, *rest), *barriers))
-
-        smem = ((q_block,) + ((plgpu.SMEM((2, bq, D), dtype, transforms=swz),)
-                              if persistent else ())
-                + (plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
-                   plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
-                   plgpu.SMEM((2, bq), F32)))
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bq), F32))
         pl.run_scoped(
-            body,
+            lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
+                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2)),
@@ -275,15 +211,11 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
     args = [tbl, order, q, k, v, q_pos, kv_pos] + ([q_seg, kv_seg] if has_seg else [])
     args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
-    if persistent:
-        grid, names = (min(num_sms(), Hq * nq * B),), ("sm",)
-    else:
-        grid, names = (Hq, nq, B), ("heads", "q_seq", "batch")
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=names,
+        grid=(Hq, Lq // (2 * bq), B),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

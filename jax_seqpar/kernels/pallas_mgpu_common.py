@@ -24,9 +24,6 @@ DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT = 227 * 1024 - 2048
 
 
-BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "persistent")
-
-
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Tiles of the Mosaic GPU kernels.
@@ -65,17 +62,16 @@ class MgpuConfig:
     split_dq: bool = False
     segment_skip: bool = True
     overlap_bwd: bool = False
-    persistent: bool = False
 
     def __post_init__(self):
-        for name in BOOL_FIELDS:
+        for name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
         for f in dataclasses.fields(self):
-            if f.name in BOOL_FIELDS:
+            if f.name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -112,10 +108,10 @@ DEFAULT_MGPU_CONFIGS = {
 
 
 def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one forward CTA: two query/output blocks (two of each when
-    ``persistent``), the K and V rings and the two lse rows."""
+    """Shared memory of one forward CTA: two query/output blocks, the K and V rings and
+    the two lse rows."""
     item = jnp.dtype(dtype).itemsize
-    q_o = (4 if config.persistent else 2) * config.block_q * head_dim * item
+    q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
     return q_o + kv + 2 * config.block_q * 4
 
@@ -152,16 +148,6 @@ def _load(ref, layout, gmem: bool = True):
     return _compat.mgpu_load(_plgpu(), ref, layout=layout, optimized=not gmem)
 
 
-def num_sms() -> int:
-    """Streaming multiprocessors of JAX's first GPU (a persistent kernel's CTAs); 132,
-    an H100 / H200 SXM's, when there is no GPU (lowering tests on CPU)."""
-    import jax
-    try:
-        return int(jax.devices("gpu")[0].core_count)
-    except (RuntimeError, AttributeError):
-        return 132
-
-
 def cta_order(tbl):
     """Query-block order of the launch: most visible tiles first (stable), ``[B, n]``."""
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
@@ -193,28 +179,25 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
 
 
 def produce_kv(tbl_ref, b, cta, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
-               k_ready, v_ready, k_free, v_free, done=0):
+               k_ready, v_ready, k_free, v_free):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the ``count`` blocks of the CTA's tile-list row, wait until the consumers
-    have freed its ring slot, then start the TMA copies of K and V into it.  ``done``:
-    blocks this CTA streamed before (a persistent kernel's earlier work items), so the
-    ring continues where they left it."""
+    have freed its ring slot, then start the TMA copies of K and V into it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
 
     @pl.loop(0, count)
     def _(t):
-        g = t + done
-        slot = lax.rem(g, jnp.int32(stages))
+        slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
 
-        @pl.when(g >= stages)
+        @pl.when(t >= stages)
         def _():
             plgpu.barrier_wait(k_free.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
 
-        @pl.when(g >= stages)
+        @pl.when(t >= stages)
         def _():
             plgpu.barrier_wait(v_free.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
