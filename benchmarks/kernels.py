@@ -55,7 +55,7 @@ from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel  # noqa: E4
 from jax_seqpar.kernels import MgpuConfig, PallasMgpuKernel  # noqa: E402
 from jax_seqpar.kernels.pallas_mgpu import is_hopper  # noqa: E402
 from jax_seqpar.layouts import shard_positions  # noqa: E402
-from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_GENERAL  # noqa: E402
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
@@ -112,6 +112,10 @@ CHECK_CASES = {
     "zigzag_shard": (1, 256, 256, 4, 2, "zigzag", True, None, False),
     "striped_shard": (1, 256, 256, 4, 4, "striped", True, None, False),
     "masked_rows": (1, 128, 256, 4, 2, "masked_rows", True, None, False),
+    # contiguous and as many queries as keys: also checked as an aligned tile (below)
+    "ragged_causal_aligned": (1, 300, 300, 4, 1, "contiguous", True, None, False),
+    "window_aligned": (1, 256, 256, 4, 2, "contiguous", True, (70, 0), False),
+    "segments_aligned": (2, 256, 256, 4, 2, "contiguous", True, None, True),
 }
 
 
@@ -195,10 +199,17 @@ def check(kernels, dims, dtypes, on_row=lambda rows: None, cases=None, trace=Fal
         ro, rgrads = jax.block_until_ready(
             jax.jit(ref_fwd_bwd)(f32(q), f32(k), f32(v), f32(do)))
         t_ref = time.perf_counter() - t_ref
-        for kname, kern in kernels.items():
+        # a tile-aware backend is also checked on the tile kind a caller would state for
+        # this case (positions traced either way): dense without a mask, aligned with one
+        stated = (TILE_DENSE if mask.is_dense else TILE_ALIGNED) \
+            if pos == "contiguous" and Tq == Tk else None
+        runs = [(kname, kern, TILE_GENERAL) for kname, kern in kernels.items()]
+        runs += [(f"{kname}@{stated}", kern, stated) for kname, kern in kernels.items()
+                 if stated and getattr(kern, "tile_aware", False)]
+        for kname, kern, tile in runs:
             t0 = time.perf_counter()
             try:
-                g = make_fn(kern, mask, scale)
+                g = make_fn(kern, mask, scale, tile=tile)
                 if kname == "flash_attn":  # it needs static positions for causal/window
                     fn = jax.jit(lambda q, k, v, qs, kvs: g(q, k, v, qp, kp, qs, kvs))
                     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qs, kvs), q, k, v)

@@ -22,9 +22,11 @@ from jax_seqpar.runtime import _compat
 from jax_seqpar.kernels import pallas_mgpu
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
                                      get_kernel)
+from jax_seqpar.kernels.pallas_common import tile_lists
 from jax_seqpar.kernels.pallas_mgpu import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT, MgpuConfig,
                                             PallasMgpuKernel, backward_smem_bytes,
-                                            cta_order, forward_smem_bytes, mgpu_fwd)
+                                            causal_blocks, cta_order, forward_smem_bytes,
+                                            index_kind, mgpu_fwd)
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.tiles import TileKernels
 from jax_seqpar.masks import BlockMask, MaskSpec
@@ -46,6 +48,8 @@ def _request(**kw):
     (dict(block_kv=True), "positive int"),
     (dict(atomic_dq=1), "must be a bool"),
     (dict(segment_skip=0), "must be a bool"),
+    (dict(index_tiles=1), "must be a bool"),
+    (dict(named_sched=None), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
 ])
 def test_config_is_validated(kw, match):
@@ -170,6 +174,87 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
             *pos, *segs)
         # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
+
+
+# --------------------------------------------------------------------------- index tiles
+@pytest.mark.parametrize("T,rows,bk", [(512, 128, 128), (300, 128, 128), (640, 128, 64),
+                                       (200, 256, 192), (1000, 128, 256)])
+def test_causal_blocks_equal_the_tile_lists(T, rows, bk):
+    """The key blocks an aligned causal CTA computes from its index (no tile list) are
+    the tile list's, in the same order, with the same fully visible prefix, for every
+    query block (padded rows and keys included), and the launch order is the lists'."""
+    Lq, Lk = -(-T // rows) * rows, -(-T // bk) * bk
+    nq, nk = Lq // rows, Lk // bk
+    edge = lambda L: jnp.asarray(np.minimum(np.arange(L), T - 1), jnp.int32)  # noqa: E731
+    tbl = np.asarray(tile_lists(MaskSpec(causal=True), edge(Lq)[None], edge(Lk), T, rows,
+                                bk, False))
+    for cta in range(nq):
+        count, n_full = causal_blocks(cta, rows, bk, nk, T % bk != 0, lambda a, b: a // b,
+                                      min)
+        assert (count, n_full) == tuple(tbl[0, cta, :2])
+        assert list(tbl[0, cta, 2:2 + count]) == list(range(count))
+    # the kernel launches query block nq - 1 - j as its j-th: most tiles first, as the
+    # lists' order does (ties may come in another order)
+    launched = tbl[0, ::-1, 0]
+    assert (np.diff(launched) <= 0).all()
+    lists_order = np.asarray(cta_order(jnp.asarray(tbl)))[0]
+    np.testing.assert_array_equal(launched, tbl[0, lists_order, 0])
+
+
+def test_index_kind():
+    """Which tiles take their masks and blocks from indices: only what the caller
+    states (dense, aligned), without segment ids for the computed block ranges."""
+    cfg = DEFAULT_MGPU_CONFIGS[128]
+    causal, dense, window = MaskSpec(causal=True), MaskSpec(), MaskSpec(causal=True,
+                                                                       window=(64, 0))
+    assert index_kind(dense, TILE_DENSE, False, 256, 256, cfg) == "dense"
+    assert index_kind(dense, TILE_DENSE, False, 128, 256, cfg) == "dense"
+    assert index_kind(causal, TILE_ALIGNED, False, 256, 256, cfg) == "causal"
+    assert index_kind(causal, TILE_ALIGNED, True, 256, 256, cfg) == "aligned"
+    assert index_kind(window, TILE_ALIGNED, False, 256, 256, cfg) == "aligned"
+    assert index_kind(causal, TILE_ALIGNED, False, 128, 256, cfg) is None  # not aligned
+    assert index_kind(causal, TILE_GENERAL, False, 256, 256, cfg) is None
+    off = dataclasses.replace(cfg, index_tiles=False)
+    assert index_kind(causal, TILE_ALIGNED, False, 256, 256, off) is None
+
+
+@pytest.mark.parametrize("tile,causal,seg,lists", [
+    (TILE_DENSE, False, False, False), (TILE_ALIGNED, True, False, False),
+    (TILE_ALIGNED, True, True, True)])
+def test_forward_lowers_on_stated_tiles(tile, causal, seg, lists):
+    """Dense and aligned causal tiles lower without tile lists (no launch-order sort in
+    the program); with segment ids the lists stay (masks still from indices)."""
+    T, D = 300, 64
+    q, kv = SDS((2, T, 4, D), BF16), SDS((2, T, 2, D), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
+    txt = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
+        q, k, v, qp, kp, MaskSpec(causal=causal), 0.1, *s, config=DEFAULT_MGPU_CONFIGS[D],
+        tile=tile), q, kv, kv, *pos, *segs)
+    assert txt.count("mosaic_gpu") >= 1
+    assert ("sort" in txt) == lists
+
+
+def test_forward_ping_pong_on_named_barriers():
+    """``named_sched``: the consumers hand the tensor cores to each other with
+    ``bar.arrive`` / ``bar.sync`` on named barriers 4 and 5 (FA3's schedule), or meet on
+    a shared-memory barrier; on a JAX without inline PTX the latter, always."""
+    q = SDS((1, 512, 2, 128), BF16)
+    pos = jnp.arange(512)
+    texts = {}
+    for named in (True, False):
+        cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], named_sched=named)
+        texts[named] = _lowered(lambda q, k, v: mgpu_fwd(
+            q, k, v, pos, pos, MaskSpec(causal=True), 0.1, config=cfg, tile=TILE_ALIGNED),
+            q, q, q)
+    if not pallas_mgpu.named_barriers_supported():
+        assert "bar.arrive" not in texts[True]
+        return
+    for op in ("bar.arrive 4, 256", "bar.arrive 5, 256", "bar.sync 4, 256",
+               "bar.sync 5, 256"):
+        assert op in texts[True] and op not in texts[False]
+    with pytest.raises(ValueError, match="op="):
+        pallas_mgpu.named_barrier("wait", 4)
 
 
 @pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.runtime._compat import kernel_io
-from jax_seqpar.kernels.base import (TILE_GENERAL, KernelRequest, default_platform,
-                                     register_kernel)
+from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
+                                     default_platform, register_kernel)
 from jax_seqpar.kernels.mgpu_tuning import gpu_key, lookup
 from jax_seqpar.kernels.pallas_common import (_pad_to, default_config, segment_lists_args,
                                               tile_lists)
@@ -50,12 +50,19 @@ from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
-    _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes, produce_kv, tile_visible)
+    SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
+    named_barrier, named_barriers_supported, produce_kv, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
 def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec,
-              scale: float, Tk: int, masked: bool, config: MgpuConfig):
+              scale: float, Tk: int, masked: bool, config: MgpuConfig,
+              index: Optional[str] = None):
+    """``index``: None (the tile lists ``tbl`` in launch ``order`` say which key blocks
+    a CTA visits; positions are read), ``"aligned"`` (the lists, but masks from the
+    row and column indices: an aligned or dense tile's positions are ``p0 + arange``),
+    or ``"dense"`` / ``"causal"`` (no lists: every key block, or those up to the
+    diagonal with the longest rows launched first, computed from the indices)."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
 
@@ -67,9 +74,29 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     has_seg = q_seg is not None
     c = scale * LOG2E
     pad_keys = Tk % bk != 0
+    nq, nk = Lq // (2 * bq), -(-Tk // bk)
+    by_index = index is not None  # masks from indices, positions never read
+    named = config.named_sched and named_barriers_supported()
+    no_lists = index in ("dense", "causal")
     ROW = plgpu.Layout.WGMMA.reduce(1)
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
+
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)``: the CTA's query block, how many key blocks
+        it visits, how many of those first ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
+        if index == "dense":
+            return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
+        if index == "causal":
+            cta = nq - 1 - j  # the longest rows first, as cta_order does for the lists
+            count, n_full = causal_blocks(cta, 2 * bq, bk, nk, pad_keys,
+                                          lambda a, b: lax.div(a, jnp.int32(b)), jnp.minimum)
+            return cta, count, n_full, lambda t: t
+        cta = order_ref[b, j]
+        count = tbl_ref[b, cta, 0]
+        return (cta, count, tbl_ref[b, cta, 1] if masked else count,
+                lambda t: tbl_ref[b, cta, t + 2])
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
                kvseg_ref, o_ref, lse_ref, scoped):
@@ -78,13 +105,21 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        cta = order_ref[b, lax.axis_index("q_seq")]
-        count = tbl_ref[b, cta, 0]
-        n_full = tbl_ref[b, cta, 1] if masked else count
+        cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
 
-        def rendezvous():  # the two consumers meet: FA3's ping-pong schedule barrier
+        def rendezvous():  # the two consumers meet (named_sched=False)
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
+
+        def let_other_go():  # this consumer's S is issued: the other may run its P V
+            for me in (0, 1):
+                pl.when(wg == me)(functools.partial(named_barrier, "arrive",
+                                                    SCHED_BARRIERS[1 - me]))
+
+        def wait_turn():  # until the other consumer's S is issued
+            for me in (0, 1):
+                pl.when(wg == me)(functools.partial(named_barrier, "sync",
+                                                    SCHED_BARRIERS[me]))
 
         @pl.when(wg < 2)
         def _consumer():
@@ -92,35 +127,49 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            if masked:
+            # the row vectors load while the query block does
+            qpos = qseg = None
+            if masked and not by_index:
                 qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
-                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
+            if masked and has_seg:
+                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW)
+            plgpu.barrier_wait(q_ready.at[wg])
+            shape = (bq, bk)
 
-            def apply_mask(s, t):
-                start = tbl_ref[b, cta, t + 2] * bk
-                shape = (bq, bk)
-                kvpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
+            def mask_inputs(t):
+                """What the t-th tile's mask reads, loaded before its scores exist."""
+                start = block(t) * bk
+                kvpos = None if by_index else _load(kvpos_ref.at[pl.ds(start, bk)], COL)
                 kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None
+                return start, kvpos, kvseg
+
+            def apply_mask(s, inputs):
+                start, kvpos, kvseg = inputs
                 pad = None
+                col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA) + start
                 if pad_keys:
-                    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                    pad = col + start < Tk
-                ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
+                    pad = col < Tk
+                if by_index:  # aligned: positions are indices plus one offset
+                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) + row0
+                    ok = tile_visible(mask, None, None, qseg, kvseg, 0, shape, extra=pad,
+                                      diff=col - row)
+                else:
+                    ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
             def step(t, carry, masked_tile):
                 acc, m, l = carry
                 slot = lax.rem(t, jnp.int32(stages))
+                inputs = mask_inputs(t) if masked_tile else None
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    rendezvous()
+                    let_other_go() if named else rendezvous()
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked_tile:
-                    s = apply_mask(s, t)
+                    s = apply_mask(s, inputs)
                 # scores stay unscaled; the scale (in log2 units) folds into the exp2
                 # argument as one fused multiply-add per element
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
@@ -132,6 +181,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 p16 = p.astype(dtype)
 
                 def end_softmax():
+                    if named:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        wait_turn()
+                        return
                     plgpu.barrier_arrive(sched)
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_wait(sched)
@@ -161,13 +214,16 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             @pl.when(count > 0)
             def _():
                 plgpu.barrier_wait(k_ready.at[0])
-            pl.when(wg == 1)(rendezvous)
+            # consumer 1 starts half a step behind consumer 0
+            pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
+                             if named else rendezvous)
             carry = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False),
                                   (acc0, m0, l0))
             if masked:
                 carry = lax.fori_loop(n_full, count,
                                       functools.partial(step, masked_tile=True), carry)
-            pl.when(wg == 0)(rendezvous)
+            pl.when(wg == 0)(functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
+                             if named else rendezvous)
             acc, m, l = carry
             has = l > 0.0
             l_safe = jnp.where(has, l, 1.0)
@@ -182,17 +238,17 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
-                       v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free)
+            produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref, v_ref,
+                       k_smem, v_smem, k_ready, v_ready, k_free, v_free)
 
     def entry(*refs):
-        if has_seg:
-            (tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
-             kvseg_ref, o_ref, lse_ref) = refs
-        else:
-            (tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, o_ref,
-             lse_ref) = refs
-            qseg_ref = kvseg_ref = None
+        refs = list(refs)
+        tbl_ref, order_ref = (None, None) if no_lists else (refs.pop(0), refs.pop(0))
+        q_ref, k_ref, v_ref = refs[:3]
+        qpos_ref, kvpos_ref = (None, None) if by_index else refs[3:5]
+        refs = refs[3 if by_index else 5:]
+        qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+        o_ref, lse_ref = refs
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
@@ -209,12 +265,13 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             collective_axes="wg",
         )
 
-    args = [tbl, order, q, k, v, q_pos, kv_pos] + ([q_seg, kv_seg] if has_seg else [])
+    args = (([] if no_lists else [tbl, order]) + [q, k, v]
+            + ([] if by_index else [q_pos, kv_pos]) + ([q_seg, kv_seg] if has_seg else []))
     args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(Hq, Lq // (2 * bq), B),
+        grid=(Hq, nq, B),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
@@ -222,9 +279,44 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     )(*args)
 
 
+def causal_blocks(cta, rows: int, bk: int, nk: int, pad_keys: bool, div, minimum):
+    """``(count, n_full)`` of query block ``cta`` (``rows`` queries) on an aligned causal
+    tile: it visits key blocks ``0 .. count``, and the first ``n_full`` of them are
+    visible to all its rows (their last key precedes its first query) with no padded
+    key.  ``div`` / ``minimum`` are integer division and minimum (``lax`` in a kernel,
+    plain Python in tests)."""
+    r0 = cta * rows
+    count = minimum(nk, div(r0 + rows + bk - 1, bk))
+    n_full = minimum(div(r0 + 1, bk), count)
+    return count, (minimum(n_full, nk - 1) if pad_keys else n_full)
+
+
+def index_kind(mask: MaskSpec, tile: str, has_seg: bool, Tq: int, Tk: int,
+               config: MgpuConfig) -> Optional[str]:
+    """How a call may take tiles and masks from indices instead of positions (the
+    ``index`` of ``_fwd_call``), by what the caller states of the tile (``base``'s tile
+    kinds): a dense or aligned tile's positions are one offset plus the indices, so its
+    masks are functions of the indices (FlashAttention-3 and tokamax mask so), and
+    without segment ids an unmasked or causal one visits a range of key blocks that the
+    kernel computes, reading no tile list (``MgpuConfig.index_tiles``)."""
+    if not config.index_tiles or tile not in (TILE_DENSE, TILE_ALIGNED):
+        return None
+    if tile == TILE_ALIGNED and Tq != Tk:
+        return None  # not what the contract calls aligned: the positions decide
+    if has_seg or mask.block_mask is not None:
+        return "aligned"
+    if mask.is_dense:
+        return "dense"
+    if mask.right_limit == 0 and mask.left_limit is None:
+        return "causal"
+    return "aligned"
+
+
 def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, kv_seg=None,
-             *, config: MgpuConfig):
-    """``(o [B, Tq, Hq, D] in q.dtype, lse float32 [B, Hq, Tq])``; see the module docstring."""
+             *, config: MgpuConfig, tile: str = TILE_GENERAL):
+    """``(o [B, Tq, Hq, D] in q.dtype, lse float32 [B, Hq, Tq])``; see the module docstring.
+    ``tile``: what the caller states of the tile (``base.TILE_*``); dense and aligned
+    tiles take their masks, and without segment ids their key blocks, from indices."""
     B, Tq, Hq, D = q.shape
     Tk = k.shape[1]
     bq, bk = config.block_q, config.block_kv
@@ -238,11 +330,15 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
     if has_seg:
         segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg,
-                     **segment_lists_args(*segs, config.segment_skip))
-    o, lse = _fwd_call(tbl, cta_order(tbl), _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
+    index = index_kind(mask, tile, has_seg, Tq, Tk, config)
+    tbl = order = None
+    if index not in ("dense", "causal"):
+        tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg,
+                         **segment_lists_args(*segs, config.segment_skip))
+        order = cta_order(tbl)
+    o, lse = _fwd_call(tbl, order, _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
                        _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
-                       Tk=Tk, masked=masked, config=config)
+                       Tk=Tk, masked=masked, config=config, index=index)
     return o[:, :Tq], lse[..., :Tq]
 
 
@@ -332,7 +428,8 @@ class PallasMgpuKernel:
             kv_seg=None, *, tile: str = TILE_GENERAL):
         self._check_call(q, q_pos, kv_pos)
         cfg = self.config_for(q.shape[-1], q.dtype, mask, q_seg is not None, tile)
-        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, config=cfg)
+        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, config=cfg,
+                        tile=tile)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):

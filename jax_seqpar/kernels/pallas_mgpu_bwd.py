@@ -425,8 +425,9 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(24, action="decrease")
-            produce_kv(tbl_ref, b, cta, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
-                       v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free)
+            produce_kv(lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
+                       lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready,
+                       v_ready, k_free, v_free)
 
     def entry(*refs):
         ins = refs[:12] if has_seg else refs[:10] + (None, None)

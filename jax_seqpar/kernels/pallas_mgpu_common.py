@@ -24,6 +24,10 @@ DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT = 227 * 1024 - 2048
 
 
+BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
+               "named_sched")
+
+
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Tiles of the Mosaic GPU kernels.
@@ -48,7 +52,18 @@ class MgpuConfig:
     ``dV`` product runs while ``dS`` is formed -- FlashAttention-3's overlap within one
     warpgroup (Shah et al., 2024, §3.2), by ``wgmma_accumulator_load(wait_n=1)``.  The
     atomic-dQ kernel ignores it (the same overlap there, with dQ's accumulator beside dK's
-    and dV's, was 3-13% slower: RESULTS.md).
+    and dV's, was 3-13% slower: RESULTS.md).  ``index_tiles`` (forward): on tiles the
+    caller states dense or aligned (``base.TILE_DENSE`` / ``TILE_ALIGNED``) the masks come
+    from row and column indices, and without segment ids the visited key blocks too (all
+    of them, or those up to the diagonal), so the kernel reads neither positions nor tile
+    lists there, as FlashAttention-3's and tokamax's kernels do; False reads them on
+    every tile (the comparison in RESULTS.md).  ``named_sched`` (forward): the consumers'
+    ping-pong on two hardware named barriers, FA3's schedule (Shah et al., 2024, §3.1,
+    Fig. 1): a consumer that has issued its ``S = Q K^T`` lets the other one start its
+    ``P V`` (``bar.arrive``) and runs its softmax without waiting, then waits for its own
+    turn (``bar.sync``) before its ``P V``; False meets on one shared-memory barrier twice
+    a step, so that neither consumer starts its softmax before the other has finished its
+    own.  (Needs Mosaic GPU's inline PTX, JAX >= 0.11; older JAX takes the latter.)
     """
 
     block_q: int = 64
@@ -62,16 +77,18 @@ class MgpuConfig:
     split_dq: bool = False
     segment_skip: bool = True
     overlap_bwd: bool = False
+    index_tiles: bool = True
+    named_sched: bool = True
 
     def __post_init__(self):
-        for name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
+        for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
         for f in dataclasses.fields(self):
-            if f.name in ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd"):
+            if f.name in BOOL_FIELDS:
                 continue
             val = getattr(self, f.name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -140,6 +157,35 @@ def _plgpu():
     return plgpu
 
 
+#: The forward's two named barriers: Mosaic GPU keeps 0 for the CTA and 1-3 for its
+#: warpgroups' own (``warpgroup_barrier``); a CTA has 16.
+SCHED_BARRIERS = (4, 5)
+
+
+def named_barriers_supported() -> bool:
+    """Whether this JAX can emit inline PTX from a Pallas Mosaic GPU kernel."""
+    try:
+        from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    except ImportError:
+        return False
+    return hasattr(mgpu_utils, "inline_ptx") and hasattr(_plgpu(), "inline_mgpu")
+
+
+def named_barrier(op: str, index: int, threads: int = 256) -> None:
+    """``bar.sync`` (arrive and wait) or ``bar.arrive`` (arrive only) on the hardware
+    named barrier ``index``, complete when ``threads`` threads have arrived (PTX ISA,
+    "bar.sync / bar.arrive"); from one warpgroup, 128 of them."""
+    if op not in ("sync", "arrive"):
+        raise ValueError(f"op={op!r} must be 'sync' or 'arrive'")
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @_plgpu().inline_mgpu()
+    def emit(_ctx):
+        mgpu_utils.inline_ptx(f"bar.{op} {int(index)}, {int(threads)};",
+                              has_side_effects=True)
+    emit()
+
+
 def _load(ref, layout, gmem: bool = True):
     """``plgpu.load`` of a whole (already indexed) ref into a register ``layout``: small
     vectors straight from global memory (positions, segment ids; Mosaic GPU's vectorised
@@ -154,15 +200,19 @@ def cta_order(tbl):
 
 
 # --------------------------------------------------------------------------- in-kernel
-def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=None):
+def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=None,
+                 diff=None):
     """Visibility of a ``shape`` tile of scores (or None: all visible) from row vectors:
     query positions / segment ids along axis ``q_axis``, key ones along the other, and an
     ``extra`` condition (padded keys) conjoined last.  The mask of the contract: keys ``j``
-    with ``left <= q - j`` ... as ``MaskSpec.right_limit`` / ``left_limit`` say."""
+    with ``left <= q - j`` ... as ``MaskSpec.right_limit`` / ``left_limit`` say.
+    ``diff``: the tile's key minus query positions, given whole (computed from indices
+    on aligned tiles) instead of ``q_pos`` and ``k_pos``."""
     from jax import lax
     k_axis = 1 - q_axis
     along = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])  # noqa: E731
-    diff = along(k_pos, k_axis) - along(q_pos, q_axis)
+    if diff is None and (mask.right_limit is not None or mask.left_limit is not None):
+        diff = along(k_pos, k_axis) - along(q_pos, q_axis)
     terms = []
     if mask.right_limit is not None:
         terms.append(diff <= mask.right_limit)
@@ -178,11 +228,12 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
     return ok
 
 
-def produce_kv(tbl_ref, b, cta, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
+def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
-    each of the ``count`` blocks of the CTA's tile-list row, wait until the consumers
-    have freed its ring slot, then start the TMA copies of K and V into it."""
+    each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
+    tile-list row, or computed), wait until the consumers have freed its ring slot, then
+    start the TMA copies of K and V into it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -190,7 +241,7 @@ def produce_kv(tbl_ref, b, cta, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_
     @pl.loop(0, count)
     def _(t):
         slot = lax.rem(t, jnp.int32(stages))
-        rows = (b, pl.ds(tbl_ref[b, cta, t + 2] * bk, bk), kvh)
+        rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
         @pl.when(t >= stages)
         def _():
