@@ -64,11 +64,15 @@ def test_finetune_stops_resumes_exactly_and_exports(tmp_path):
     mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1],
                          axis_types=(AxisType.Auto,))
     model = Llama(cfg, mesh=mesh)
-    random = model.init(jax.random.key(1), batch["tokens"])
+    random = jax.jit(model.init)(jax.random.key(1), batch["tokens"])
+
+    @jax.jit  # one program for both parameter sets, not one per operation
+    def jitted_loss(p):
+        return next_token_loss(model, p, batch["tokens"], loss_mask=batch["loss_mask"],
+                               segment_ids=batch["segment_ids"],
+                               positions=batch["positions"])[0]
 
     def loss(p):
-        return float(next_token_loss(model, p, batch["tokens"], loss_mask=batch["loss_mask"],
-                                     segment_ids=batch["segment_ids"],
-                                     positions=batch["positions"])[0])
+        return float(jitted_loss(p))
     trained, untrained = loss(params), loss(random)
     assert np.isfinite(trained) and trained < untrained - 0.3, (trained, untrained)

@@ -112,7 +112,7 @@ def test_linen_matches_plain_layer(case):
     opts = model.options()
     x, ct = inputs()
     seg = sorted_segments(0, B, S, num_docs=3) if seg_on else None
-    params = model.init(jax.random.key(1), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(1), x)["params"]
     xl, ctl, segl = (to_layout(a, opts, permuted) for a in (x, ct, seg))
 
     @jax.jit
@@ -130,7 +130,7 @@ def test_linen_single_device_path_matches_plain_layer():
     model = SeqParallelAttention(num_heads=HQ, head_dim=D, num_kv_heads=HKV, causal=True,
                                  window=(7, 0))
     x, ct = inputs(3)
-    params = model.init(jax.random.key(2), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(2), x)["params"]
     out, vjp = jax.vjp(lambda p, x: model.apply({"params": p}, x), params, x)
     gp, gx = vjp(ct)
     check_against_plain(out, gp, gx, params, x, ct, None, True, (7, 0), "mesh=None")
@@ -148,7 +148,7 @@ def nnx_from_linen(params, **kw):
 def test_nnx_matches_plain_layer(G, layout, backward):
     linen = SeqParallelAttention(num_heads=HQ, head_dim=D, num_kv_heads=HKV)
     x, ct = inputs(5)
-    params = linen.init(jax.random.key(4), x)["params"]
+    params = jax.jit(linen.init)(jax.random.key(4), x)["params"]
     model = nnx_from_linen(params, mesh=auto_mesh(G), layout=layout, permuted=True,
                            causal=True, backward=backward)
     opts = model.options
@@ -198,7 +198,7 @@ def test_attention_fn_in_linen_multihead_attention():
     ref = nn.MultiHeadDotProductAttention(num_heads=HQ, qkv_features=HQ * D)
     ours = nn.MultiHeadDotProductAttention(num_heads=HQ, qkv_features=HQ * D,
                                            attention_fn=make_attention_fn(mesh, causal=True))
-    params = ref.init(jax.random.key(0), x)
+    params = jax.jit(ref.init)(jax.random.key(0), x)
     causal_mask = nn.make_causal_mask(jnp.zeros((B, S)))
 
     def loss(module, mask):

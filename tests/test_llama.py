@@ -29,10 +29,14 @@ def tokens(seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def loss_and_grad(model):
+def logits_loss_and_grad(model):
+    """One jitted program per model: the logits, and the loss and its gradients (the
+    tests read all three; one compile, not one for the logits and one for the rest)."""
     def f(params, toks, seg):
-        return next_token_loss(model, params, toks, segment_ids=seg)
-    return jax.jit(jax.value_and_grad(f, has_aux=True))
+        (loss, m), grads = jax.value_and_grad(
+            lambda p: next_token_loss(model, p, toks, segment_ids=seg), has_aux=True)(params)
+        return model.apply(params, toks, seg), (loss, m), grads
+    return jax.jit(f)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,18 +44,12 @@ def single_device_params():
     return jax.jit(Llama(CFG).init)(jax.random.key(0), tokens())
 
 
-#: The single-device model's logits (jitted: one program, not one per operation).
-single_device_apply = jax.jit(Llama(CFG).apply)
-
-
 def compare_with_single_device(model, seg=None, what=""):
     params = single_device_params()
     toks = tokens(1)
-    ref = Llama(CFG)
-    assert_close(jax.jit(model.apply)(params, toks, seg),
-                 single_device_apply(params, toks, seg), TOL, f"{what}: logits")
-    (loss, m), grads = loss_and_grad(model)(params, toks, seg)
-    (rloss, rm), rgrads = loss_and_grad(ref)(params, toks, seg)
+    logits, (loss, m), grads = logits_loss_and_grad(model)(params, toks, seg)
+    rlogits, (rloss, rm), rgrads = logits_loss_and_grad(Llama(CFG))(params, toks, seg)
+    assert_close(logits, rlogits, TOL, f"{what}: logits")
     assert_close(loss, rloss, TOL, f"{what}: loss")
     assert float(m["tokens"]) == float(rm["tokens"])
     assert_trees_close(grads, rgrads, TOL, f"{what}: dparams")
@@ -93,8 +91,8 @@ def test_targets_shift_in_natural_order():
 def test_loss_is_cross_entropy_of_natural_order_logits():
     model = Llama(CFG, mesh=auto_mesh(8), layout="zigzag")
     params, toks = single_device_params(), tokens(2)
-    (loss, m), _ = loss_and_grad(model)(params, toks, None)
-    logits = single_device_apply(params, toks)
+    _, (loss, m), _ = logits_loss_and_grad(model)(params, toks, None)
+    logits, _, _ = logits_loss_and_grad(Llama(CFG))(params, toks, None)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)
     assert_close(loss, nll.mean(), TOL, "loss")

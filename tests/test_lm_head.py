@@ -167,7 +167,7 @@ def test_llama_fused_matches_unfused():
                       loss_block_s=24, loss_block_v=16)
     toks = jax.random.randint(jax.random.key(6), (2, 32), 0, 61)
     mask = jax.random.bernoulli(jax.random.key(7), 0.7, (2, 32))
-    params = Llama(cfg).init(jax.random.key(0), toks)
+    params = jax.jit(Llama(cfg).init)(jax.random.key(0), toks)
 
     def run(c):
         f = lambda p: next_token_loss(Llama(c), p, toks, loss_mask=mask)  # noqa: E731

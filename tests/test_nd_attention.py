@@ -220,7 +220,7 @@ def test_flax_layers_take_batch_and_head_axes():
     x = make_qkv(8, B=B, S=S, Hq=1, Hkv=1, D=32)[0][:, :, 0]     # [B, S, 32]
     kw = dict(num_heads=4, head_dim=8, num_kv_heads=2, causal=True)
     plain = SeqParallelAttention(**kw)
-    params = plain.init(jax.random.key(0), x)
+    params = jax.jit(plain.init)(jax.random.key(0), x)
     nd = SeqParallelAttention(**kw, mesh=mesh, axis_name="sp", batch_axis="dp",
                               head_axis="tp", layout="zigzag")
 

@@ -59,7 +59,7 @@ def packed_batch(seed=0):
 @functools.lru_cache(maxsize=None)
 def params_and_reference():
     batch = packed_batch()
-    params = Llama(CFG).init(jax.random.key(0), jnp.asarray(batch["tokens"]))
+    params = jax.jit(Llama(CFG).init)(jax.random.key(0), jnp.asarray(batch["tokens"]))
     return params, loss_and_grads(Llama(CFG), params, batch)
 
 
@@ -209,15 +209,19 @@ def test_train_state_follows_the_rules_and_steps_like_one_device():
     assert mu.sharding.spec == P("sequence", "tensor")  # AdamW's moments like their param
     _, _, losses = train("data2_seq2_tensor2", steps=2)
     one = Llama(CFG)
-    params = one.init(jax.random.key(0), jnp.zeros((B, S), jnp.int32))
-    opt_state = OPT.init(params)
-    for i in range(2):
-        b = packed_batch(i)
+    params = jax.jit(one.init)(jax.random.key(0), jnp.zeros((B, S), jnp.int32))
+    opt_state = jax.jit(OPT.init)(params)
+
+    @jax.jit  # one program for the reference step, not one per operation
+    def one_device_step(params, opt_state, b):
         (l, _), g = jax.value_and_grad(lambda p: next_token_loss(
             one, p, b["tokens"], segment_ids=b["segment_ids"], positions=b["positions"]),
             has_aux=True)(params)
         upd, opt_state = OPT.update(g, opt_state, params)
-        params = optax.apply_updates(params, upd)
+        return l, optax.apply_updates(params, upd), opt_state
+
+    for i in range(2):
+        l, params, opt_state = one_device_step(params, opt_state, packed_batch(i))
         assert abs(float(l) - losses[i]) <= TOL * abs(float(l)), (i, float(l), losses[i])
 
 
@@ -270,7 +274,7 @@ SMOL = LlamaConfig(vocab_size=96, d_model=144, num_layers=1, num_heads=9, num_kv
 @functools.lru_cache(maxsize=None)
 def smol_reference():
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 96, (2, 48)), jnp.int32)
-    params = Llama(SMOL).init(jax.random.key(1), tokens)
+    params = jax.jit(Llama(SMOL).init)(jax.random.key(1), tokens)
     batch = {"tokens": tokens, "segment_ids": jnp.asarray(np.repeat([[1, 2]] * 2, 24, 1)),
              "positions": jnp.asarray(np.tile(np.arange(24), (2, 2)))}
     return tokens, params, batch, loss_and_grads(Llama(SMOL), params, batch)
@@ -328,8 +332,11 @@ def _bytes(sizes, layers, grad):
     mesh, par = make_mesh(sizes, jax.devices()[:n])
     model = Llama(cfg, mesh=mesh, parallelism=par)
     tokens = jnp.zeros((B, S), jnp.int32)
-    params = jax.device_put(model.init(jax.random.key(0), tokens),
-                            model.param_shardings(jax.random.key(0), tokens))
+    # only the compiled program is read: abstract parameters on their shardings (the
+    # same program as for placed arrays, without running the initialisation)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          jax.eval_shape(model.init, jax.random.key(0), tokens),
+                          model.param_shardings(jax.random.key(0), tokens))
     if grad:
         f = jax.grad(lambda p, t: next_token_loss(model, p, t)[0])
     else:

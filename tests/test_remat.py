@@ -34,10 +34,16 @@ def setup(mode):
     name, _, extra = mode.partition("+")
     model = Llama(dataclasses.replace(CFG, remat=name, remat_offload=extra == "offload"),
                   mesh=mesh, layout="zigzag", backward="kv")
-    toks = jax.random.randint(jax.random.key(0), (1, S), 0, CFG.vocab_size)
-    params = Llama(CFG).init(jax.random.key(1), toks)
+    toks, params = inputs()
     loss = lambda p: next_token_loss(model, p, toks)[0]  # noqa: E731
     return loss, params
+
+
+@functools.lru_cache(maxsize=None)
+def inputs():
+    """The tokens and the parameters, the same for every mode (initialised once, jitted)."""
+    toks = jax.random.randint(jax.random.key(0), (1, S), 0, CFG.vocab_size)
+    return toks, jax.jit(Llama(CFG).init)(jax.random.key(1), toks)
 
 
 @functools.lru_cache(maxsize=None)

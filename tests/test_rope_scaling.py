@@ -136,7 +136,7 @@ def test_linen_and_nnx_twins_with_biases_and_scaling():
     kw = dict(num_kv_heads=HKV, causal=True, rope_scaling=yarn, use_bias=True, out_bias=False)
     linen = SeqParallelAttention(num_heads=HQ, head_dim=D, **kw)
     x = jax.random.normal(jax.random.key(1), (2, 16, DM), F32)
-    params = linen.init(jax.random.key(0), x)["params"]
+    params = jax.jit(linen.init)(jax.random.key(0), x)["params"]
     params = jax.tree.map(lambda p: p + 0.1, params)  # biases are initialised to 0
     assert params["q_proj"]["bias"].shape == (HQ, D) and "bias" not in params["o_proj"]
     m = spnnx.SeqParallelAttention(DM, HQ, D, rngs=nnx.Rngs(0), **kw)

@@ -47,7 +47,7 @@ def batch(packed: bool, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def unrolled_params():
-    return Llama(CFG).init(jax.random.key(0), batch(False)["tokens"])
+    return jax.jit(Llama(CFG).init)(jax.random.key(0), batch(False)["tokens"])
 
 
 def loss_and_grads(model, params, data):

@@ -11,6 +11,7 @@ killed.  CPU arithmetic is deterministic, so resumed runs must match bit for bit
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -388,6 +389,13 @@ def _saved_state(model, optimizer):
     return state.replace(opt_state=opt_state)
 
 
+@functools.lru_cache(maxsize=None)
+def _saved_layers_state(scan_layers):
+    """``_saved_state`` of the 2-layer model in either form, built once for the tests
+    below (its initialisation compiles a train-state program; nothing donates it)."""
+    return _saved_state(*_layers_model(w.make_mesh(), scan_layers))
+
+
 @pytest.mark.parametrize("saved_scanned, sharding", [(False, "fsdp"), (True, "replicated")])
 def test_restore_into_the_other_form_of_the_layers(tmp_path, saved_scanned, sharding):
     """A state saved from an unrolled model restores into a scanned model's abstract state
@@ -398,7 +406,7 @@ def test_restore_into_the_other_form_of_the_layers(tmp_path, saved_scanned, shar
     from jax_seqpar.training.checkpoint import block_forms
 
     mesh = w.make_mesh()
-    state = _saved_state(*_layers_model(mesh, saved_scanned))
+    state = _saved_layers_state(saved_scanned)
     saved = w.to_host(state)
     model, optimizer = _layers_model(mesh, not saved_scanned)
     abstract = abstract_train_state(model, optimizer, jax.random.key(1), (w.B, w.S),
@@ -428,7 +436,7 @@ def test_restore_across_forms_says_how_to_convert(tmp_path, monkeypatch):
     whose state holds no layers, another number of layers, a state that holds both
     forms, and (no metadata) a restore into the other form that fails."""
     mesh = w.make_mesh()
-    state = _saved_state(*_layers_model(mesh, False))
+    state = _saved_layers_state(False)
     scanned_abstract = abstract_train_state(*_layers_model(mesh, True), jax.random.key(1),
                                             (w.B, w.S), min_elements=0)
     three = abstract_train_state(*_layers_model(mesh, True, 3), jax.random.key(1),
