@@ -50,6 +50,7 @@ def _request(**kw):
     (dict(segment_skip=0), "must be a bool"),
     (dict(index_tiles=1), "must be a bool"),
     (dict(named_sched=None), "must be a bool"),
+    (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
 ])
 def test_config_is_validated(kw, match):
@@ -255,6 +256,26 @@ def test_forward_ping_pong_on_named_barriers():
         assert op in texts[True] and op not in texts[False]
     with pytest.raises(ValueError, match="op="):
         pallas_mgpu.named_barrier("wait", 4)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_forward_frees_ring_slots_on_named_barriers(stages):
+    """``named_free``: the consumers arrive (256 threads) and the producer syncs (128)
+    on one named barrier per ring slot and operand, above the ping-pong's two."""
+    if not pallas_mgpu.named_barriers_supported():
+        pytest.skip("this JAX has no inline PTX in Mosaic GPU kernels")
+    q = SDS((1, 512, 2, 64), BF16)
+    pos = jnp.arange(512)
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[64], num_stages=stages, named_free=True)
+    txt = _lowered(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, MaskSpec(causal=True), 0.1,
+                                            config=cfg, tile=TILE_ALIGNED), q, q, q)
+    ids = [pallas_mgpu.free_barrier(w, s, stages) for w in "kv" for s in range(stages)]
+    assert sorted(ids) == list(range(6, 6 + 2 * stages))
+    for i in ids:
+        assert f"bar.arrive {i}, 384" in txt and f"bar.sync {i}, 384" in txt
+    assert "bar.sync 4, 256" in txt  # the ping-pong's, unchanged
+    with pytest.raises(ValueError, match="named barrier"):
+        pallas_mgpu.free_barrier("v", 5, 6)
 
 
 @pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])

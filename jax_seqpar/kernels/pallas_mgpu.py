@@ -51,7 +51,7 @@ from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
-    named_barrier, named_barriers_supported, produce_kv, tile_visible)
+    free_barrier, named_barrier, named_barriers_supported, on_slot, produce_kv, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -77,6 +77,9 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     nq, nk = Lq // (2 * bq), -(-Tk // bk)
     by_index = index is not None  # masks from indices, positions never read
     named = config.named_sched and named_barriers_supported()
+    named_free = config.named_free and named_barriers_supported()
+    if named_free:
+        free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
     no_lists = index in ("dense", "causal")
     ROW = plgpu.Layout.WGMMA.reduce(1)
     COL = plgpu.Layout.WGMMA.reduce(0)
@@ -106,6 +109,13 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
+
+        def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
+            if named_free:
+                on_slot(slot, stages, lambda s: named_barrier(
+                    "arrive", free_barrier(which, s, stages), 384))
+            else:
+                plgpu.barrier_arrive(ref.at[slot])
 
         def rendezvous():  # the two consumers meet (named_sched=False)
             plgpu.barrier_arrive(sched)
@@ -167,7 +177,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     let_other_go() if named else rendezvous()
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                free_slot("k", k_free, slot)
                 if masked_tile:
                     s = apply_mask(s, inputs)
                 # scores stay unscaled; the scale (in log2 units) folds into the exp2
@@ -204,7 +214,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
+                free_slot("v", v_free, slot)
                 return acc, m_new, l
 
             m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
@@ -239,7 +249,8 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref, v_ref,
-                       k_smem, v_smem, k_ready, v_ready, k_free, v_free)
+                       k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                       named_free=named_free)
 
     def entry(*refs):
         refs = list(refs)

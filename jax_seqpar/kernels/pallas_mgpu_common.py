@@ -25,7 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched")
+               "named_sched", "named_free")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,11 @@ class MgpuConfig:
     ``P V`` (``bar.arrive``) and runs its softmax without waiting, then waits for its own
     turn (``bar.sync``) before its ``P V``; False meets on one shared-memory barrier twice
     a step, so that neither consumer starts its softmax before the other has finished its
-    own.  (Needs Mosaic GPU's inline PTX, JAX >= 0.11; older JAX takes the latter.)
+    own.  ``named_free`` (forward): the consumers tell the producer that a ring slot's K
+    or V has been read with ``bar.arrive`` on a named barrier per slot, which the
+    producer ``bar.sync``s on before refilling it (as tokamax's sm90 forward does),
+    instead of arriving on a shared-memory barrier.  (Both need Mosaic GPU's inline PTX,
+    JAX >= 0.11; older JAX takes the shared-memory barriers.)
     """
 
     block_q: int = 64
@@ -79,6 +83,7 @@ class MgpuConfig:
     overlap_bwd: bool = False
     index_tiles: bool = True
     named_sched: bool = True
+    named_free: bool = True
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -157,9 +162,29 @@ def _plgpu():
     return plgpu
 
 
-#: The forward's two named barriers: Mosaic GPU keeps 0 for the CTA and 1-3 for its
-#: warpgroups' own (``warpgroup_barrier``); a CTA has 16.
+#: The forward's named barriers: Mosaic GPU keeps 0 for the CTA and 1-3 for its
+#: warpgroups' own (``warpgroup_barrier``); a CTA has 16.  Two for the consumers'
+#: ping-pong, then (``named_free``) one per ring slot for K and one for V.
 SCHED_BARRIERS = (4, 5)
+FREE_BARRIER_BASE = 6
+NAMED_BARRIERS = 16
+
+
+def free_barrier(which: str, slot: int, stages: int) -> int:
+    """The named barrier of ring slot ``slot``'s K (``which="k"``) or V."""
+    index = FREE_BARRIER_BASE + slot + (stages if which == "v" else 0)
+    if not 0 <= slot < stages or index >= NAMED_BARRIERS:
+        raise ValueError(f"slot {slot} of {stages} stages has no named barrier (at most "
+                         f"{(NAMED_BARRIERS - FREE_BARRIER_BASE) // 2} stages)")
+    return index
+
+
+def on_slot(slot, stages: int, fn) -> None:
+    """``fn(s)`` for the static ``s`` equal to the traced ring ``slot`` (a named
+    barrier's index is an immediate of the instruction)."""
+    import jax.experimental.pallas as pl
+    for s in range(stages):
+        pl.when(slot == s)(lambda s=s: fn(s))
 
 
 def named_barriers_supported() -> bool:
@@ -229,11 +254,13 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
 
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
-               k_ready, v_ready, k_free, v_free):
+               k_ready, v_ready, k_free, v_free, named_free: bool = False):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
-    start the TMA copies of K and V into it."""
+    start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
+    named barriers (``free_barrier``; 2 x 128 consumer threads arrive, 128 producer
+    threads sync) instead of the shared-memory barriers ``k_free`` / ``v_free``."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -243,12 +270,14 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
         slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(k_free.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+        def wait_free(which, ref):
+            if named_free:
+                on_slot(slot, stages, lambda s: named_barrier(
+                    "sync", free_barrier(which, s, stages), 384))
+            else:
+                plgpu.barrier_wait(ref.at[slot])
 
-        @pl.when(t >= stages)
-        def _():
-            plgpu.barrier_wait(v_free.at[slot])
+        pl.when(t >= stages)(lambda: wait_free("k", k_free))
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+        pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
