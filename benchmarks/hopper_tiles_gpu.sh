@@ -7,6 +7,8 @@
 #                                                    # and of the persistent forward
 #   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
+#   (KERNELS=tokamax_direct,pallas_mgpu,lists VARIANTS=lists:index_tiles=false ... pair RUN
+#    adds a variant of the defaults to the same run)
 #
 # The pair phase installs tokamax 0.0.17 and its dependencies from wheels carried in
 # .whl/tokamax (the GPU machine has no network) and puts an empty stand-in for `xprof`
@@ -44,7 +46,9 @@ pair)
           /tmp/tk_stub/xprof/cli/tools/__init__.py \
           /tmp/tk_stub/xprof/cli/tools/get_kernel_stats_tool.py
     export PYTHONPATH="/tmp/tk:/tmp/tk_stub${PYTHONPATH:+:$PYTHONPATH}"
-    timeout "${PAIR_S:-560}" python kernels.py --phases pair \
+    variants=()  # VARIANTS="name:field=value,... name2:...": pallas_mgpu variants to add
+    for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
+    timeout "${PAIR_S:-560}" python kernels.py --phases pair "${variants[@]}" \
         --bench-kernels "${KERNELS:-tokamax_direct,pallas_mgpu,pallas_mgpu_untuned}" \
         --sizes "${SIZES:-16384,65536}" --bench-dims "${DIMS:-128,64}" \
         --rounds "${PAIR_ROUNDS:-8}" --device-rounds "${DEVICE_ROUNDS:-7}" \

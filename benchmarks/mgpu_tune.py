@@ -1,7 +1,9 @@
 """Tune the Hopper kernel's tiles per shape class; write the committed table (issue 41).
 
-For each head dim and mask (no mask on a dense tile, causal on an aligned one), at
-``--seq`` tokens, B 1, ``--heads`` heads, bf16:
+For each head dim and mask class (``--masks``: ``none`` on a dense tile, ``causal`` on an
+aligned one, at ``--seq`` tokens; ``segments``: causal packed documents of log-normal
+lengths around 4k tokens on an aligned tile, at ``--seq-segments``), B 1, ``--heads``
+heads, bf16, and each of ``--phases`` (fwd, bwd):
 
 * every forward candidate of ``mgpu_tuning.forward_candidates`` is compiled, its output
   and lse checked against the per-head-dim default config's (the bf16 budget of
@@ -15,6 +17,9 @@ For each head dim and mask (no mask on a dense tile, causal on an aligned one), 
 
     python benchmarks/mgpu_tune.py --dims 128 --out $OUT/tune_d128.json
     python benchmarks/mgpu_tune.py --merge a.json b.json --table jax_seqpar/kernels/mgpu_tuned.json
+
+Merging updates the table's entries of the runs' classes (a phase a run did not tune
+keeps the table's fields) and leaves the other entries as they are.
 
 The table is read by ``PallasMgpuKernel`` (``kernels/mgpu_tuning.py``); RESULTS.md
 ("Hopper tiles by measurement") has the runs behind the committed one.

@@ -152,6 +152,12 @@ def test_kernel_config_for(monkeypatch):
     segs = mt.table_key(GPU, "bfloat16", 128, "general", "segments")
     table[segs] = mt.parse_table({"entries": {segs: _entry(num_stages=3)}})[segs]
     assert k.config_for(128, "bfloat16", causal, True, "general").num_stages == 3
+    # the tuned packed-document class (aligned) serves segment ids on other tiles too
+    del table[segs]
+    packed = mt.table_key(GPU, "bfloat16", 128, "aligned", "segments")
+    table[packed] = mt.parse_table({"entries": {packed: _entry(block_kv=64)}})[packed]
+    assert k.config_for(128, "bfloat16", causal, True, "general").block_kv == 64
+    assert k.config_for(128, "bfloat16", causal, True, "dense").block_kv == 64
     assert PallasMgpuKernel(tuned=False).config_for(128, "bfloat16", causal, False,
                                                     "aligned") == DEFAULT_MGPU_CONFIGS[128]
     own = MgpuConfig(block_kv=192)
@@ -191,3 +197,36 @@ def test_tune_script_merges_runs_into_a_table(tmp_path):
                           f"{GPU}/bfloat16/d64/dense/none"}
     cfg, _ = mt.lookup(GPU, "bfloat16", 64, "dense", "none", table)
     assert (cfg.block_kv, cfg.block_q_bwd, cfg.atomic_dq) == (256, 128, True)
+
+
+def test_tune_script_merges_one_phase_into_the_table(tmp_path):
+    """A run that tuned only the forward (``--phases fwd``) of a packed-document class
+    updates that half of the table's entry and keeps the rest of the table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import mgpu_tune
+    old_key = f"{GPU}/bfloat16/d64/dense/none"
+    bwd = dict(block_q_bwd=128, block_kv_bwd=64, num_stages_bwd=2, block_kv_dq=128,
+               atomic_dq=True, split_dq=False, overlap_bwd=False)
+    table_path = tmp_path / "table.json"
+    table_path.write_text(json.dumps({"entries": {old_key: {
+        "fwd": dict(block_q=64, block_kv=256, num_stages=3), "bwd": bwd}}}))
+    run = dict(env=dict(device_kind="NVIDIA H200", date="2026-11-25", jax="0.11.2"),
+               seq=16384, heads=16, classes=[dict(
+                   D=64, mask="segments", seq=65536,
+                   fwd=dict(best=dict(block_q=64, block_kv=128, num_stages=4), best_ms=1.0,
+                            default_ms=1.2))])
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    old, sys.argv = sys.argv, ["mgpu_tune.py", "--merge", str(tmp_path / "run.json"),
+                               "--table", str(table_path)]
+    try:
+        assert mgpu_tune.main() == 0
+    finally:
+        sys.argv = old
+    raw = json.loads(table_path.read_text())["entries"]
+    table = mt.parse_table({"entries": raw})
+    new_key = f"{GPU}/bfloat16/d64/aligned/segments"
+    assert set(table) == {old_key, new_key}
+    assert table[old_key]["bwd"] == bwd  # untouched
+    assert table[new_key]["fwd"]["num_stages"] == 4 and raw[new_key]["seq"] == 65536
+    # the phase the run did not tune: the per-head-dim default's fields
+    assert table[new_key]["bwd"] == mt.fields_of(DEFAULT_MGPU_CONFIGS[64], mt.BWD_FIELDS)
