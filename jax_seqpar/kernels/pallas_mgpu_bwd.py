@@ -50,9 +50,7 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, free_barrier, named_barrier,
-                                                   named_barriers_supported, on_slot,
-                                                   produce_kv, tile_visible)
+                                                   cta_order, produce_kv, tile_visible)
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -322,9 +320,6 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
-    named_free = config.named_free and named_barriers_supported()
-    if named_free:
-        free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, scoped):
@@ -336,13 +331,6 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         cta = order_ref[b, lax.axis_index("q_seq")]
         count = tbl_ref[b, cta, 0]
         n_full = tbl_ref[b, cta, 1] if masked else count
-
-        def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
-            if named_free:
-                on_slot(slot, stages, lambda s: named_barrier(
-                    "arrive", free_barrier(which, s, stages), 384))
-            else:
-                plgpu.barrier_arrive(ref.at[slot])
 
         @pl.when(wg < 2)
         def _consumer():
@@ -375,12 +363,12 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)  # dP done
-                    free_slot("v", v_free, slot)
+                    plgpu.barrier_arrive(v_free.at[slot])
                     ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
                     plgpu.wgmma(dq_ref_, ds.astype(dtype), k_smem.at[slot])
                 dq, _, _ = pl.run_state(body)((plgpu.ACC.init(dq), plgpu.ACC.init(zeros),
                                                plgpu.ACC.init(zeros)))
-                free_slot("k", k_free, slot)
+                plgpu.barrier_arrive(k_free.at[slot])
                 return dq
 
             def visible(t):
@@ -415,13 +403,13 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     plgpu.wgmma(acc_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
                     return acc_ref[...]
                 dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bk), F32))
-                free_slot("v", v_free, slot)
+                plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
 
                 def dq_fn(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
                 dq = pl.run_state(dq_fn)(plgpu.ACC.init(dq))
-                free_slot("k", k_free, slot)
+                plgpu.barrier_arrive(k_free.at[slot])
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
@@ -439,7 +427,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
             plgpu.set_max_registers(24, action="decrease")
             produce_kv(lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
                        lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready,
-                       v_ready, k_free, v_free, named_free=named_free)
+                       v_ready, k_free, v_free)
 
     def entry(*refs):
         ins = refs[:12] if has_seg else refs[:10] + (None, None)

@@ -63,11 +63,11 @@ class MgpuConfig:
     ``P V`` (``bar.arrive``) and runs its softmax without waiting, then waits for its own
     turn (``bar.sync``) before its ``P V``; False meets on one shared-memory barrier twice
     a step, so that neither consumer starts its softmax before the other has finished its
-    own.  ``named_free`` (forward and the backward's dQ kernel, the two that stream K/V
-    through ``produce_kv``): the consumers tell the producer that a ring slot's K or V
-    has been read with ``bar.arrive`` on a named barrier per slot, which the producer
-    ``bar.sync``s on before refilling it (as tokamax's sm90 forward does), instead of
-    arriving on a shared-memory barrier.  (Both need Mosaic GPU's inline PTX,
+    own.  ``named_free`` (forward): the consumers tell the producer that a ring slot's K
+    or V has been read with ``bar.arrive`` on a named barrier per slot, which the
+    producer ``bar.sync``s on before refilling it (as tokamax's sm90 forward does),
+    instead of arriving on a shared-memory barrier.  (The same in the backward's two
+    kernels measured no gain, 0 to -1.5%: RESULTS.md; they keep their barriers.)  (Both need Mosaic GPU's inline PTX,
     JAX >= 0.11; older JAX takes the shared-memory barriers.)
     """
 
@@ -172,7 +172,9 @@ NAMED_BARRIERS = 16
 
 
 def free_barrier(which: str, slot: int, stages: int) -> int:
-    """The named barrier of ring slot ``slot``'s K (``which="k"``) or V."""
+    """The named barrier of ring slot ``slot``'s K (``which="k"``) or V (``"v"``)."""
+    if which not in ("k", "v"):
+        raise ValueError(f"which={which!r} must be 'k' or 'v'")
     index = FREE_BARRIER_BASE + slot + (stages if which == "v" else 0)
     if not 0 <= slot < stages or index >= NAMED_BARRIERS:
         raise ValueError(f"slot {slot} of {stages} stages has no named barrier (at most "
