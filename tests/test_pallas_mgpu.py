@@ -215,6 +215,8 @@ def test_index_kind():
     assert index_kind(window, TILE_ALIGNED, False, 256, 256, cfg) == "aligned"
     assert index_kind(causal, TILE_ALIGNED, False, 128, 256, cfg) is None  # not aligned
     assert index_kind(causal, TILE_GENERAL, False, 256, 256, cfg) is None
+    assert index_kind(causal, TILE_DENSE, False, 256, 256, cfg) is None  # not dense
+    assert index_kind(dense, TILE_DENSE, True, 128, 256, cfg) == "aligned"  # lists
     off = dataclasses.replace(cfg, index_tiles=False)
     assert index_kind(causal, TILE_ALIGNED, False, 256, 256, off) is None
 

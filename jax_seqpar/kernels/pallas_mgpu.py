@@ -306,13 +306,19 @@ def index_kind(mask: MaskSpec, tile: str, has_seg: bool, Tq: int, Tk: int,
                config: MgpuConfig) -> Optional[str]:
     """How a call may take tiles and masks from indices instead of positions (the
     ``index`` of ``_fwd_call``), by what the caller states of the tile (``base``'s tile
-    kinds): a dense or aligned tile's positions are one offset plus the indices, so its
-    masks are functions of the indices (FlashAttention-3 and tokamax mask so), and
-    without segment ids an unmasked or causal one visits a range of key blocks that the
-    kernel computes, reading no tile list (``MgpuConfig.index_tiles``)."""
+    kinds).  A dense tile has no mask, so positions do not matter; an aligned tile's
+    positions are one offset plus the indices, so its masks are functions of the
+    indices (FlashAttention-3 and tokamax mask so).  Without segment ids, an unmasked
+    or causal one visits a range of key blocks that the kernel computes, reading no tile
+    list (``MgpuConfig.index_tiles``); with them, the lists skip what the documents
+    allow and the masks still come from indices."""
     if not config.index_tiles or tile not in (TILE_DENSE, TILE_ALIGNED):
         return None
-    if tile == TILE_ALIGNED and Tq != Tk:
+    if tile == TILE_DENSE:
+        if not mask.is_dense:
+            return None  # not what the contract calls dense: the positions decide
+        return "aligned" if has_seg else "dense"
+    if Tq != Tk:
         return None  # not what the contract calls aligned: the positions decide
     if has_seg or mask.block_mask is not None:
         return "aligned"
