@@ -121,14 +121,20 @@ CHECK_CASES = {
 
 @dataclasses.dataclass(frozen=True)
 class MgpuVariant(PallasMgpuKernel):
-    """``pallas_mgpu`` with some fields of the per-head-dim default config replaced
-    (``--mgpu-variant``), to compare a change against the defaults in one run."""
+    """``pallas_mgpu`` with some fields of its config replaced (``--mgpu-variant``), to
+    compare a change against the backend in one run: the fields replace those of the
+    config the backend would run for the call (the tuned table's, on a GPU it has
+    entries for), or of the per-head-dim default when the call's dtype and mask are not
+    given."""
 
     overrides: tuple = ()
 
-    def config_for(self, head_dim, dtype=None, mask=None, has_segments=False, tile=None):
+    def config_for(self, head_dim, dtype=None, mask=None, has_segments=False,
+                   tile=TILE_GENERAL):
         from jax_seqpar.kernels.pallas_mgpu_common import DEFAULT_MGPU_CONFIGS
-        return dataclasses.replace(DEFAULT_MGPU_CONFIGS[head_dim], **dict(self.overrides))
+        base = (DEFAULT_MGPU_CONFIGS[head_dim] if dtype is None or mask is None else
+                super().config_for(head_dim, dtype, mask, has_segments, tile))
+        return dataclasses.replace(base, **dict(self.overrides))
 
 
 def parse_mgpu_variant(text):

@@ -302,7 +302,7 @@ def test_ring_with_the_kernel_lowers_for_cuda(layout, backward):
     assert txt.count("mosaic_gpu") >= 3
 
 
-def test_benchmark_variants_replace_fields_of_the_per_dim_default():
+def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     """``benchmarks/kernels.py --mgpu-variant NAME:field=value``: the comparison the
     atomic-dQ default was chosen by (RESULTS.md) keeps every other field per head dim."""
     import sys
@@ -317,3 +317,8 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default():
     for bad in ("two:nope=1", "two", "two:block_q=x"):
         with pytest.raises(ValueError):
             kb.parse_mgpu_variant(bad)
+    # with the call's dtype and mask, the fields replace the tuned table's pick
+    tuned = dataclasses.replace(DEFAULT_MGPU_CONFIGS[64], block_kv=256, num_stages=3)
+    monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
+    assert kern.config_for(64, "bfloat16", MaskSpec(), False, TILE_DENSE) == \
+        dataclasses.replace(tuned, atomic_dq=False, block_kv_dq=64)
