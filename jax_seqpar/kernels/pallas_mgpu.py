@@ -8,9 +8,12 @@ the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``
   ``num_stages``-deep shared-memory ring, and two **consumers** that own ``block_q`` query
   rows each and run ``S = Q K^T`` and ``O += P V`` on the tensor cores (``wgmma``) with the
   online softmax of FlashAttention-2 Alg. 1, lines 6-10, in float32 between them;
-* **ping-pong** (FA3 §3.1): a two-party barrier makes one consumer's softmax run while
-  the other's matrix products occupy the tensor cores; the producer gives its registers
-  to the consumers (``set_max_registers``);
+* **ping-pong** (FA3 §3.1, Fig. 1): on two hardware named barriers, a consumer that
+  has issued its ``S`` lets the other run its ``P V`` and waits for its own turn only
+  before its own ``P V``, so one consumer's softmax runs while the other's products
+  occupy the tensor cores (``MgpuConfig.named_sched``); the consumers free ring slots on
+  named barriers too (``named_free``); the producer gives its registers to the
+  consumers (``set_max_registers``);
 * the key blocks a CTA visits are entries ``2 .. 2 + count`` of its tile-list row, the
   ``n_full`` fully visible ones first: the consumers run them without mask code, then
   the partially visible ones with the mask evaluated on **global positions** (query
@@ -22,6 +25,10 @@ the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``
   are unchanged, they run what the lists say;
 * CTAs are launched **most tiles first** (a permutation of the query blocks by their
   tile count), so under a causal mask the last wave is short rows, not long ones;
+* on tiles the caller states dense or aligned (``base.TILE_DENSE`` / ``TILE_ALIGNED``)
+  masks come from row and column indices, and without segment ids the visited blocks and
+  the launch order are computed, not read from lists (``index_kind``,
+  ``MgpuConfig.index_tiles``);
 * rows that see no key give ``o = 0`` and ``lse = -inf`` (the running max is replaced
   by 0 while it is ``-inf``, so no ``-inf - -inf``).
 
