@@ -58,18 +58,20 @@ from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
-    free_barrier, named_barrier, named_barriers_supported, on_slot, produce_kv, tile_visible)
+    free_barrier, named_barrier, named_barriers_supported, produce_kv, slot_barrier,
+    tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
 def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec,
               scale: float, Tk: int, masked: bool, config: MgpuConfig,
               index: Optional[str] = None):
-    """``index``: None (the tile lists ``tbl`` in launch ``order`` say which key blocks
-    a CTA visits; positions are read), ``"aligned"`` (the lists, but masks from the
-    row and column indices: an aligned or dense tile's positions are ``p0 + arange``),
-    or ``"dense"`` / ``"causal"`` (no lists: every key block, or those up to the
-    diagonal with the longest rows launched first, computed from the indices)."""
+    """``index`` (``index_kind``): None (the tile lists ``tbl`` in launch ``order`` say
+    which key blocks a CTA visits; positions are read), ``"aligned"`` (the lists, but
+    masks from the row and column indices, which differ from the positions by one
+    offset on an aligned tile), or ``"dense"`` / ``"causal"`` (no lists: every key
+    block, or those up to the diagonal with the longest rows launched first, computed
+    from the indices)."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
 
@@ -119,8 +121,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
-                on_slot(slot, stages, lambda s: named_barrier(
-                    "arrive", free_barrier(which, s, stages), 384))
+                slot_barrier("arrive", which, slot, stages)
             else:
                 plgpu.barrier_arrive(ref.at[slot])
 

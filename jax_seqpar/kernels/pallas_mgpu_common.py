@@ -67,8 +67,9 @@ class MgpuConfig:
     or V has been read with ``bar.arrive`` on a named barrier per slot, which the
     producer ``bar.sync``s on before refilling it (as tokamax's sm90 forward does),
     instead of arriving on a shared-memory barrier.  (The same in the backward's two
-    kernels measured no gain, 0 to -1.5%: RESULTS.md; they keep their barriers.)  (Both need Mosaic GPU's inline PTX,
-    JAX >= 0.11; older JAX takes the shared-memory barriers.)
+    kernels measured no gain, 0 to -1.8%: RESULTS.md; they keep their barriers.)  Both
+    named-barrier fields need Mosaic GPU's inline PTX (JAX >= 0.11); older JAX takes the
+    shared-memory barriers.
     """
 
     block_q: int = 64
@@ -182,12 +183,25 @@ def free_barrier(which: str, slot: int, stages: int) -> int:
     return index
 
 
+#: Threads on a ring slot's named barrier: both consumer warpgroups arrive, the
+#: producer warpgroup syncs.
+SLOT_THREADS = 3 * 128
+
+
 def on_slot(slot, stages: int, fn) -> None:
     """``fn(s)`` for the static ``s`` equal to the traced ring ``slot`` (a named
     barrier's index is an immediate of the instruction)."""
     import jax.experimental.pallas as pl
     for s in range(stages):
         pl.when(slot == s)(lambda s=s: fn(s))
+
+
+def slot_barrier(op: str, which: str, slot, stages: int) -> None:
+    """``named_barrier(op, ...)`` on ring ``slot``'s K or V barrier: a consumer's
+    ``"arrive"`` once it has read the operand, the producer's ``"sync"`` before it
+    refills the slot."""
+    on_slot(slot, stages, lambda s: named_barrier(op, free_barrier(which, s, stages),
+                                                  SLOT_THREADS))
 
 
 def named_barriers_supported() -> bool:
@@ -275,8 +289,7 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
         def wait_free(which, ref):
             if named_free:
-                on_slot(slot, stages, lambda s: named_barrier(
-                    "sync", free_barrier(which, s, stages), 384))
+                slot_barrier("sync", which, slot, stages)
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
