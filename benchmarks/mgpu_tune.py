@@ -78,14 +78,11 @@ def _timer(reps):
     return timer
 
 
-def packed_segments(S, mean=4096, seed=0, sigma=0.6):
-    """Segment ids ``[1, S]`` of documents of log-normal lengths around ``mean`` tokens
-    (the packed-document benchmark's distribution, ``packed.py``)."""
-    rng = np.random.default_rng(seed)
-    lens = []
-    while sum(lens) < S:
-        lens.append(max(1, int(rng.lognormal(np.log(mean), sigma))))
-    return jnp.asarray(np.repeat(np.arange(len(lens)), lens)[:S][None], jnp.int32)
+def packed_segments(S, mean=4096, seed=0):
+    """Segment ids ``[1, S]`` of documents of log-normal lengths around ``mean`` tokens:
+    the packed-document benchmark's (``packed.py``)."""
+    from packed import lognormal_lengths, packed_ids
+    return jnp.asarray(packed_ids(lognormal_lengths(mean, S, seed), S)[None], jnp.int32)
 
 
 def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd")):
