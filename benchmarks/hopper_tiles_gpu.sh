@@ -4,21 +4,35 @@
 #   bash benchmarks/hopper_tiles_gpu.sh tune 128     # mgpu_tune.py for head dim 128 -> $OUT
 #   bash benchmarks/hopper_tiles_gpu.sh tune 64      # (MASKS=none,causal PHASES=fwd ... to narrow)
 #   bash benchmarks/hopper_tiles_gpu.sh check RUN    # kernels.py check of the table's configs
-#                                                    # and of the persistent forward
+#                                                    # (KERNELS=pallas_mgpu,NAME VARIANTS=NAME:...
+#                                                    # checks a variant beside them)
 #   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
 #   (KERNELS=tokamax_direct,pallas_mgpu,lists VARIANTS=lists:index_tiles=false ... pair RUN
 #    adds a variant of the defaults to the same run)
+#   bash benchmarks/hopper_tiles_gpu.sh breakdown RUN  # kernels.py breakdown: each kernel
+#                                                    # of one fwd+bwd call per backend
 #
-# The pair phase installs tokamax 0.0.17 and its dependencies from wheels carried in
-# .whl/tokamax (the GPU machine has no network) and puts an empty stand-in for `xprof`
-# on the path: tokamax imports it at import time for its own benchmarking module only.
+# The pair and breakdown phases install tokamax 0.0.17 and its dependencies from wheels
+# carried in .whl/tokamax (the GPU machine has no network) and put an empty stand-in for
+# `xprof` on the path: tokamax imports it at import time for its own benchmarking module only.
 set -euo pipefail
-phase=${1:?tune DIM | check RUN | pair RUN}
+phase=${1:?tune DIM | check RUN | pair RUN | breakdown RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
 export OUT
 mkdir -p "$OUT"
 cd "$(dirname "$0")"
+
+with_tokamax() {
+  if [ -d ../.whl/tokamax ] && [ ! -d /tmp/tk/tokamax ]; then
+    pip install --quiet --no-deps --no-index --target /tmp/tk ../.whl/tokamax/*.whl
+  fi
+  mkdir -p /tmp/tk_stub/xprof/cli/tools
+  touch /tmp/tk_stub/xprof/__init__.py /tmp/tk_stub/xprof/cli/__init__.py \
+      /tmp/tk_stub/xprof/cli/tools/__init__.py \
+      /tmp/tk_stub/xprof/cli/tools/get_kernel_stats_tool.py
+  export PYTHONPATH="/tmp/tk:/tmp/tk_stub${PYTHONPATH:+:$PYTHONPATH}"
+}
 
 case "$phase" in
 tune)
@@ -30,22 +44,16 @@ tune)
     ;;
 check)
     run=${2:?run name}
-    timeout "${CHECK_S:-300}" python kernels.py --phases check \
-        --check-kernels "${KERNELS:-pallas_mgpu,persistent}" \
-        --mgpu-variant persistent:persistent=true --dims 64,128 --dtypes bfloat16 \
-        2>&1 | tee "$OUT/check_$run.log"
+    variants=()
+    for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
+    timeout "${CHECK_S:-300}" python kernels.py --phases check "${variants[@]}" \
+        --check-kernels "${KERNELS:-pallas_mgpu}" --dims "${DIMS:-64,128}" \
+        --dtypes bfloat16 2>&1 | tee "$OUT/check_$run.log"
     mv "$OUT/kernels_gpu.json" "$OUT/check_$run.json"
     ;;
 pair)
     run=${2:?run name}
-    if [ -d ../.whl/tokamax ] && [ ! -d /tmp/tk/tokamax ]; then
-        pip install --quiet --no-deps --no-index --target /tmp/tk ../.whl/tokamax/*.whl
-    fi
-    mkdir -p /tmp/tk_stub/xprof/cli/tools
-    touch /tmp/tk_stub/xprof/__init__.py /tmp/tk_stub/xprof/cli/__init__.py \
-          /tmp/tk_stub/xprof/cli/tools/__init__.py \
-          /tmp/tk_stub/xprof/cli/tools/get_kernel_stats_tool.py
-    export PYTHONPATH="/tmp/tk:/tmp/tk_stub${PYTHONPATH:+:$PYTHONPATH}"
+    with_tokamax
     variants=()  # VARIANTS="name:field=value,... name2:...": pallas_mgpu variants to add
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
     timeout "${PAIR_S:-560}" python kernels.py --phases pair "${variants[@]}" \
@@ -54,6 +62,17 @@ pair)
         --rounds "${PAIR_ROUNDS:-8}" --device-rounds "${DEVICE_ROUNDS:-7}" \
         2>&1 | tee "$OUT/pair_$run.log"
     mv "$OUT/kernels_gpu.json" "$OUT/pair_$run.json"
+    ;;
+breakdown)
+    run=${2:?run name}
+    with_tokamax
+    variants=()
+    for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
+    timeout "${PAIR_S:-560}" python kernels.py --phases breakdown "${variants[@]}" \
+        --bench-kernels "${KERNELS:-tokamax_direct,pallas_mgpu}" \
+        --sizes "${SIZES:-16384,65536}" --bench-dims "${DIMS:-128,64}" \
+        --device-rounds "${DEVICE_ROUNDS:-5}" 2>&1 | tee "$OUT/breakdown_$run.log"
+    mv "$OUT/kernels_gpu.json" "$OUT/breakdown_$run.json"
     ;;
 *)
     echo "unknown phase $phase" >&2

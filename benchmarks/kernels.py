@@ -17,6 +17,10 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
   alike); medians and median ratios to cuDNN.  ``--mgpu-variant NAME:field=value``
   adds a ``pallas_mgpu`` backend with changed config fields, to check and time a change
   against the defaults in the same run.
+* ``breakdown``: the device's kernels of one forward+backward call of cuDNN and each
+  ``--bench-kernels`` backend, in launch order, each kernel's median duration over
+  ``--device-rounds`` calls (profiler; GPU only): where one backend's time goes against
+  another's, kernel by kernel.
 * ``ring``: causal ring attention (zigzag and striped, tokens in layout order), forward +
   backward at ``--ring-seq`` tokens on all GPUs with each of ``--ring-kernels``, against
   one GPU running cuDNN on the whole sequence, with the error against cuDNN.
@@ -60,6 +64,7 @@ from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.common import AttnConfig  # noqa: E402
 from jax_seqpar.parallel.local import local_attention  # noqa: E402
 from _profile import device_rounds as device_rounds_  # noqa: E402
+from _profile import group_calls, profile_timeline  # noqa: E402
 from _util import env_info, out_dir, round_order, save_json, time_fn  # noqa: E402
 
 BUDGET = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -392,6 +397,44 @@ def pair(kernels, sizes, dims, rounds=30, device_rounds=0):
     return rows
 
 
+def breakdown(kernels, sizes, dims, calls=5):
+    """Per backend (cuDNN first), the device's kernels of one synchronised forward +
+    backward call in launch order, with each kernel's median duration (ms) over
+    ``calls`` calls under one profiler trace (``_profile.group_calls`` splits the calls
+    at the host's round trips).  Rows: ``S, D, causal, kernel, span_ms, kernels`` with
+    ``kernels`` a list of ``(name, median_ms)``."""
+    rows = []
+    names = ["cudnn"] + list(kernels)
+    for S, D, causal in itertools.product(sizes, dims, (False, True)):
+        q, k, v, do = _inputs(1, 16, S, D)
+        for n in names:
+            _, fb = _backend_fns(n, kernels.get(n), S, D, causal)
+            jax.block_until_ready(fb(q, k, v, do))
+
+            def run():
+                for _ in range(calls):
+                    jax.block_until_ready(fb(q, k, v, do))
+            try:
+                groups = group_calls(profile_timeline(run, f"/tmp/jsp_breakdown_{n}"), calls)
+            except Exception as e:  # noqa: BLE001 - a backend's failure is reported
+                print(f"breakdown S={S} D={D} causal={causal} {n}: FAILED "
+                      f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            width = min(len(g) for g in groups)
+            per = [(groups[0][i][0], float(np.median([g[i][2] for g in groups])) / 1e3)
+                   for i in range(width)]
+            span = float(np.median([(max(s + d for _, s, d in g) - g[0][1]) / 1e3
+                                    for g in groups]))
+            rows.append(dict(S=S, D=D, causal=causal, kernel=n, span_ms=span,
+                             kernels=per, counts=sorted({len(g) for g in groups})))
+            print(f"breakdown S={S:6d} D={D:3d} causal={causal!s:5s} {n:14s} span "
+                  f"{span:8.3f} ms, {width} kernels", flush=True)
+            for name, ms in per:
+                if ms >= 0.005:
+                    print(f"    {ms:8.3f} ms  {name[:110]}", flush=True)
+    return rows
+
+
 #: Candidates per head dim: forward (block_q, block_k, warps, stages), backward
 #: (block_q, block_k, warps).  A first sweep (results/kernels_gpu_sweep1.json) over
 #: forward and backward tiles found these the best forward and backward halves.
@@ -572,6 +615,13 @@ def main():
                               [int(x) for x in args.sizes.split(",")],
                               [int(x) for x in args.bench_dims.split(",")], args.rounds,
                               args.device_rounds if jax.default_backend() == "gpu" else 0)
+        save_json(result, path)
+    if "breakdown" in phases and jax.default_backend() == "gpu":
+        names = (args.bench_kernels or "pallas_mgpu").split(",")
+        result["breakdown"] = breakdown({n: kernels[n] for n in names if n in kernels},
+                                        [int(x) for x in args.sizes.split(",")],
+                                        [int(x) for x in args.bench_dims.split(",")],
+                                        max(args.device_rounds, 1))
         save_json(result, path)
     print("CHECKS:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
