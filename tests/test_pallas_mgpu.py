@@ -52,6 +52,7 @@ def _request(**kw):
     (dict(named_sched=None), "must be a bool"),
     (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
+    (dict(dv_with_dp=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -165,7 +166,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
     variants = [dict(atomic_dq=False, overlap_bwd=False),
-                dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=True)] + (
+                dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
+                dict(atomic_dq=True)] + (
         [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]

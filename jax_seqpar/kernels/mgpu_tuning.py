@@ -44,7 +44,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
 
 FWD_FIELDS = ("block_q", "block_kv", "num_stages")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
-              "split_dq", "overlap_bwd")
+              "split_dq", "overlap_bwd", "dv_with_dp")
 MASKS = ("none", "causal", "segments")
 TILES = ("dense", "aligned", "general")
 TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")
@@ -139,13 +139,15 @@ def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfi
 
 def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
     """Backward tiles to try: 64 or 128 keys per consumer and queries per stage, 2 or 3
-    stages, for the two kernels with FA3's in-warpgroup overlap and 128-key dQ stages
-    (both measured better before: ``DEFAULT_MGPU_CONFIGS``'s comment) and for the
-    atomic-dQ kernel (split between the consumers from D 128), that fit shared memory."""
+    stages, for the two kernels with FA3's in-warpgroup overlap, its dK/dV step order
+    and 128-key dQ stages (all measured better before: ``DEFAULT_MGPU_CONFIGS``'s
+    comment) and for the atomic-dQ kernel (split between the consumers from D 128),
+    that fit shared memory."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
-    variants = [dict(atomic_dq=False, split_dq=False, overlap_bwd=True, block_kv_dq=128),
+    variants = [dict(atomic_dq=False, split_dq=False, overlap_bwd=True, dv_with_dp=True,
+                     block_kv_dq=128),
                 dict(atomic_dq=True, split_dq=head_dim >= 128, overlap_bwd=False,
-                     block_kv_dq=128)]
+                     dv_with_dp=False, block_kv_dq=128)]
     out = []
     for bq, bk, stages in itertools.product((64, 128), (64, 128), (2, 3)):
         for var in variants:

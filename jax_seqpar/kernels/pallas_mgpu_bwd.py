@@ -31,6 +31,9 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   (``wgmma_accumulator_load(wait_n=1)``), so ``P`` is formed while ``dP`` runs and, in
   the dK/dV kernel, ``dS`` while ``dV`` runs: FlashAttention-3's overlap within one
   warpgroup (§3.2), the same arithmetic in the same order (bit-identical gradients).
+  ``MgpuConfig.dv_with_dp`` pairs the dK/dV kernel's products as FlashAttention-3's
+  and tokamax's dK/dV steps do instead: ``S^T`` alone, then ``dP^T`` with ``dV``, ``dS``
+  formed while ``dV`` runs, the dO slot freed before ``dK`` is done.
 
 The first ``n_full`` entries of each tile-list row run without mask code, the rest
 evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
@@ -141,7 +144,44 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
+            def step_dv_with_dp(t, carry, hh, masked_tile):
+                # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
+                # freed when dV is done, Q's when dK is
+                dk, dv = carry
+                slot = lax.rem(hh * count + t, jnp.int32(stages))
+                plgpu.barrier_wait(q_ready.at[slot])
+
+                def st(acc_ref):
+                    plgpu.wgmma(acc_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse = _load(lse_smem.at[slot], COL, gmem=False)
+                if masked_tile:
+                    s = mask_scores(s, t)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
+                plgpu.barrier_wait(do_ready.at[slot])
+                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+
+                def body(refs):
+                    dv_ref, dk_ref, dp_ref = refs
+                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                    plgpu.barrier_wait(dl_ready.at[slot])
+                    dl = _load(dl_smem.at[slot], COL, gmem=False)
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
+                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
+                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
+                    plgpu.wgmma_wait(1)                                  # dV done
+                    plgpu.barrier_arrive(do_free.at[slot])
+                dv, dk, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                                plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
             def step(t, carry, hh, masked_tile):
+                if config.dv_with_dp and not with_dq:
+                    return step_dv_with_dp(t, carry, hh, masked_tile)
                 if overlap:
                     return step_overlap(t, carry, hh, masked_tile)
                 dk, dv = carry

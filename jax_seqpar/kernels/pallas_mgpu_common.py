@@ -25,7 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free")
+               "named_sched", "named_free", "dv_with_dp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,13 @@ class MgpuConfig:
     ``dV`` product runs while ``dS`` is formed -- FlashAttention-3's overlap within one
     warpgroup (Shah et al., 2024, §3.2), by ``wgmma_accumulator_load(wait_n=1)``.  The
     atomic-dQ kernel ignores it (the same overlap there, with dQ's accumulator beside dK's
-    and dV's, was 3-13% slower: RESULTS.md).  ``index_tiles`` (forward): on tiles the
+    and dV's, was 3-13% slower: RESULTS.md).  ``dv_with_dp`` (dK/dV kernel of the
+    two-kernel backward, in place of ``overlap_bwd``'s pairing there): ``S^T`` alone,
+    then ``dP^T`` and ``dV`` issued together and ``dP^T`` waited for alone, so ``dS`` is
+    formed while ``dV`` runs, and the ring's dO slot freed once ``dV`` is done, before
+    ``dK`` is -- the order of FlashAttention-3's and tokamax's dK/dV step (S and dP are
+    never in flight together, so two score-sized accumulators at most are live); the
+    atomic-dQ kernel ignores it too.  ``index_tiles`` (forward): on tiles the
     caller states dense or aligned (``base.TILE_DENSE`` / ``TILE_ALIGNED``) the masks come
     from row and column indices, and without segment ids the visited key blocks too (all
     of them, or those up to the diagonal), so the kernel reads neither positions nor tile
@@ -86,6 +92,7 @@ class MgpuConfig:
     index_tiles: bool = True
     named_sched: bool = True
     named_free: bool = True
+    dv_with_dp: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -120,13 +127,15 @@ class MgpuConfig:
 #: kernels, with ``overlap_bwd`` (results/kernels_ovl_pair2_h200.log, on the device's
 #: clock at 16k: fwd+bwd 0.906x cuDNN against 0.887 / 0.903x without, causal 0.964x
 #: against 0.915 / 0.928x; packed 64k and 16k 1-2% faster in all six comparisons,
-#: gradients bit-identical; at D = 64 it does not beat the atomic dQ).  D = 256 runs the
+#: gradients bit-identical; at D = 64 it does not beat the atomic dQ).  ``dv_with_dp``
+#: (results/hopper_tiles/2026-11-25b/): the dK/dV kernel 8% faster at 64k (105.5 against
+#: 114.5 ms, device clock), fwd+bwd ahead of tokamax's at 16k and 64k (RESULTS.md).  D = 256 runs the
 #: Triton backward (the Mosaic GPU one does not fit shared memory), so its backward
 #: fields are unused.
 DEFAULT_MGPU_CONFIGS = {
     64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
     128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128,
-                    overlap_bwd=True),
+                    overlap_bwd=True, dv_with_dp=True),
     256: MgpuConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
