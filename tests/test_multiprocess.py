@@ -272,6 +272,8 @@ def test_launch_in_process_api_and_argument_errors():
         launch(["true"], 0)
     with pytest.raises(ValueError, match="timeout=-1"):
         launch(["true"], 2, timeout=-1)
+    with pytest.raises(ValueError, match="grace=-1"):
+        launch(["true"], 2, grace=-1)
     code, _, err_text = run_launcher("-n", 2, timeout=60)
     assert code == 2 and "no command to launch" in err_text
 
@@ -387,10 +389,13 @@ def test_normal_exit_is_orderly_and_quiet():
 @pytest.mark.multiprocess
 def test_failing_process_skips_the_orderly_exit():
     """An uncaught exception marks the process failed: it exits at once (no shutdown
-    barrier to wait at), loudly, and the launcher stops the job."""
+    barrier to wait at), loudly, and the launcher stops the job.  The other process, in
+    the distributed job, catches the launcher's SIGTERM (JAX's preemption notifier) and
+    ends at the SIGKILL ``--grace`` seconds later (0.5 here, 5 by default)."""
     start = time.monotonic()
     code, out, err = run_launcher(
-        "-n", 2, "--devices-per-process", 1, "--timeout", 120, "--", sys.executable, "-c",
+        "-n", 2, "--devices-per-process", 1, "--timeout", 120, "--grace", 0.5, "--",
+        sys.executable, "-c",
         _QUIET_CHILD + "import time; time.sleep(90) if info.process_index == 0 else "
         "(_ for _ in ()).throw(RuntimeError('boom in p1'))", timeout=150)
     assert code == 1, (code, out, err)

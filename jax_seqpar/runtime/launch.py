@@ -7,6 +7,12 @@ request, its own set of simulated CPU devices (``XLA_FLAGS``) or GPUs
 ``[p<i>]`` prefix.  If a process fails, the others are stopped and the launcher exits
 with the failed process's code; if ``--timeout`` passes, the processes still running
 print their threads' stacks (``faulthandler``), all are stopped and it exits 124.
+
+Stopping is SIGTERM, then SIGKILL after ``--grace`` seconds (default 5) to what is still
+running.  A process that has called ``jax.distributed.initialize`` does not stop at
+SIGTERM: JAX's preemption notifier catches it (it logs "SIGTERM caught" and records a
+preemption notice for ``multihost_utils.reached_preemption_sync_point``) and the process
+runs on, so such a job ends at the SIGKILL, a grace later.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from jax_seqpar.runtime.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, E
 #: Exit code when ``--timeout`` passes (the code ``timeout(1)`` uses).
 TIMEOUT_EXIT = 124
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-_GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping processes
+#: Default seconds between SIGTERM and SIGKILL when stopping processes.
+GRACE_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,7 +128,7 @@ def _pump(src, dst: TextIO, prefix: str, printer: _Printer, proc=None) -> None:
     src.close()
     if held:
         try:
-            code = proc.wait(timeout=_GRACE_S)
+            code = proc.wait(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
             code = None
         if code != 0:
@@ -140,13 +147,15 @@ def _dump_stacks(procs: Sequence[subprocess.Popen], note) -> None:
             os.kill(p.pid, signal.SIGABRT)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + _GRACE_S
+    deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and any(p.poll() is None for _, p in running):
         time.sleep(0.05)
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM every running process's group, then SIGKILL what is left after a grace."""
+def _stop(procs: Sequence[subprocess.Popen], grace: float = GRACE_S) -> None:
+    """SIGTERM every running process's group, then SIGKILL what is left after ``grace``
+    seconds (JAX's preemption notifier catches SIGTERM in a process of a distributed
+    job, so those end at the SIGKILL)."""
     running = [p for p in procs if p.poll() is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in running:
@@ -154,7 +163,7 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
                 os.killpg(p.pid, sig)  # each child leads its own session (start_new_session)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + _GRACE_S
+        deadline = time.monotonic() + grace
         while running and time.monotonic() < deadline:
             running = [p for p in running if p.poll() is None]
             time.sleep(0.05)
@@ -179,11 +188,13 @@ def _terminated(signum, frame):
 def launch(command: Sequence[str], num_processes: int, *,
            devices_per_process: Optional[int] = None, gpus_per_process: Optional[int] = None,
            timeout: Optional[float] = None, port: Optional[int] = None,
+           grace: float = GRACE_S,
            stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
     """Run ``command`` as ``num_processes`` processes of one job; return the exit code.
 
     0 if every process exits 0.  Otherwise the code of the first process seen failing
     (the others are stopped), or ``TIMEOUT_EXIT`` if ``timeout`` seconds pass first.
+    Stopping sends SIGTERM, then SIGKILL ``grace`` seconds later (module docstring).
     """
     command = list(command)
     if not command:
@@ -197,6 +208,8 @@ def launch(command: Sequence[str], num_processes: int, *,
             raise ValueError(f"{name}={value!r} must be a positive int")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
     if port is not None and not (isinstance(port, int) and 0 < port < 65536):
         raise ValueError(f"port={port!r} must be in 1..65535")
     port = port or free_port()
@@ -221,7 +234,7 @@ def launch(command: Sequence[str], num_processes: int, *,
                                      start_new_session=True)
             except OSError as e:
                 note(f"could not start process {i}: {e}")
-                _stop(procs)
+                _stop(procs, grace)
                 return 127
             procs.append(p)
             for src, dst in ((p.stdout, stdout), (p.stderr, stderr)):
@@ -229,20 +242,20 @@ def launch(command: Sequence[str], num_processes: int, *,
                                      daemon=True)
                 t.start()
                 pumps.append(t)
-        code = _watch(procs, timeout, note)
+        code = _watch(procs, timeout, note, grace)
     except (KeyboardInterrupt, _Terminated) as e:
         code = 143 if isinstance(e, _Terminated) else 130
         note(f"{'terminated' if code == 143 else 'interrupted'}; stopping all processes")
-        _stop(procs)
+        _stop(procs, grace)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     for t in pumps:
-        t.join(timeout=_GRACE_S)
+        t.join(timeout=GRACE_S)
     return code
 
 
-def _watch(procs, timeout, note) -> int:
+def _watch(procs, timeout, note, grace=GRACE_S) -> int:
     start = time.monotonic()
     while True:
         codes = [p.poll() for p in procs]
@@ -253,7 +266,7 @@ def _watch(procs, timeout, note) -> int:
             note(f"process {i} failed with exit code {_exit_code(c)}"
                  + (f"; stopping process{'es' if len(others) > 1 else ''} "
                     f"{', '.join(map(str, others))}" if others else ""))
-            _stop(procs)
+            _stop(procs, grace)
             return _exit_code(c)
         if all(c == 0 for c in codes):
             return 0
@@ -262,7 +275,7 @@ def _watch(procs, timeout, note) -> int:
             note(f"timeout: {timeout:g} s passed with process{'es' if len(running) > 1 else ''} "
                  f"{', '.join(running)} still running; stopping all")
             _dump_stacks(procs, note)
-            _stop(procs)
+            _stop(procs, grace)
             return TIMEOUT_EXIT
         time.sleep(0.05)
 
@@ -283,6 +296,10 @@ def add_parser(sub) -> None:
                         "ones (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds after which all processes are stopped (exit code 124)")
+    p.add_argument("--grace", type=float, default=GRACE_S,
+                   help="seconds between SIGTERM and SIGKILL when stopping the processes "
+                        f"(default {GRACE_S:g}; a process of a jax.distributed job catches "
+                        "SIGTERM and stops only at the SIGKILL)")
     p.add_argument("--port", type=int, default=None,
                    help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("command", nargs="*", help="the command each process runs, after '--'")
@@ -296,7 +313,7 @@ def _cmd_launch(args) -> int:
     try:
         return launch(command, args.num_processes, devices_per_process=args.devices_per_process,
                       gpus_per_process=args.gpus_per_process, timeout=args.timeout,
-                      port=args.port)
+                      port=args.port, grace=args.grace)
     except ValueError as e:
         print(f"python -m jax_seqpar launch: error: {e}", file=sys.stderr)
         return 2
