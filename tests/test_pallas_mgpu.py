@@ -165,11 +165,10 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
-    variants = [dict(atomic_dq=False, overlap_bwd=False, dv_with_dp=False),
-                dict(atomic_dq=False, overlap_bwd=True, dv_with_dp=False),
-                dict(atomic_dq=False, dv_with_dp=True)] + [
-        dict(atomic_dq=True, split_dq=split, dv_with_dp=order)
-        for split in ((False, True) if D >= 128 else (False,)) for order in (False, True)]
+    variants = [dict(atomic_dq=False, overlap_bwd=False),
+                dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
+                dict(atomic_dq=True)] + (
+        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)

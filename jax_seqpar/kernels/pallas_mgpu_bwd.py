@@ -179,71 +179,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
-            def step_atomic_dv_with_dp(t, carry, hh, masked_tile):
-                # the atomic-dQ step in the same order: dP^T waited for alone, dS formed
-                # (and shared) while dV runs, dK and dQ issued behind it
-                dk, dv = carry
-                slot = lax.rem(hh * count + t, jnp.int32(stages))
-                plgpu.barrier_wait(q_ready.at[slot])
-
-                def st(acc_ref):
-                    plgpu.wgmma(acc_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
-                plgpu.barrier_wait(lse_ready.at[slot])
-                lse = _load(lse_smem.at[slot], COL, gmem=False)
-                if masked_tile:
-                    s = mask_scores(s, t)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
-                plgpu.barrier_wait(do_ready.at[slot])
-                dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
-                if split_dq:
-                    par = lax.rem(hh * count + t, jnp.int32(2))
-                    cols = pl.ds(pl.multiple_of(wg * half, half), half)
-                width = half if split_dq else D
-                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
-                zq = plgpu.layout_cast(jnp.full((bq, width), 0.0, F32), WGMMA)
-
-                def body(refs):
-                    dv_ref, dk_ref, dp_ref, dq_ref_ = refs
-                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.barrier_wait(dl_ready.at[slot])
-                    dl = _load(dl_smem.at[slot], COL, gmem=False)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
-                    if split_dq:
-                        ds_smem.at[par, wg][...] = ds
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(ds_ready.at[par])
-                        plgpu.barrier_wait(ds_ready.at[par])
-                        terms = [(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
-                    else:
-                        ds_smem.at[wg][...] = ds
-                        plgpu.commit_smem()
-                        terms = [(ds_smem.at[wg], kw)]
-                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
-                    for ds_t, k_part in terms:
-                        plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_t, (1, 0)), k_part)
-                    plgpu.wgmma_wait(1 + len(terms))                     # dV done
-                    plgpu.barrier_arrive(do_free.at[slot])
-                dv, dk, _, dq = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                                    plgpu.ACC.init(zeros),
-                                                    plgpu.ACC.init(zq)))
-                plgpu.barrier_arrive(q_free.at[slot])
-                # the previous block's reduce-add must have read dqw before it is rewritten
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dqw = dq_smem.at[wg]
-                dqw[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols] if split_dq else dst,
-                                        reduction_op="add")
-                return dk, dv
-
             def step(t, carry, hh, masked_tile):
-                if config.dv_with_dp:
-                    return (step_atomic_dv_with_dp if with_dq else step_dv_with_dp)(
-                        t, carry, hh, masked_tile)
+                if config.dv_with_dp and not with_dq:
+                    return step_dv_with_dp(t, carry, hh, masked_tile)
                 if overlap:
                     return step_overlap(t, carry, hh, masked_tile)
                 dk, dv = carry
