@@ -144,11 +144,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
-            def step_dv_with_dp(t, carry, hh, masked_tile):
-                # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
-                # freed when dV is done, Q's when dK is
-                dk, dv = carry
-                slot = lax.rem(hh * count + t, jnp.int32(stages))
+            def probs_t(t, slot, masked_tile):
+                """``P^T`` of tile ``t`` from ``S^T = K Q^T`` issued alone, once its dO
+                block has landed too (the serial steps' shared first half)."""
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def st(acc_ref):
@@ -161,6 +159,14 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     s = mask_scores(s, t)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
+                return p
+
+            def step_dv_with_dp(t, carry, hh, masked_tile):
+                # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
+                # freed when dV is done, Q's when dK is
+                dk, dv = carry
+                slot = lax.rem(hh * count + t, jnp.int32(stages))
+                p = probs_t(t, slot, masked_tile)
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
 
                 def body(refs):
@@ -170,7 +176,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], COL, gmem=False)
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
+                    ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
                     plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
                     plgpu.wgmma_wait(1)                                  # dV done
                     plgpu.barrier_arrive(do_free.at[slot])
@@ -186,18 +192,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     return step_overlap(t, carry, hh, masked_tile)
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
-                plgpu.barrier_wait(q_ready.at[slot])
-
-                def st(acc_ref):
-                    plgpu.wgmma(acc_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
-                plgpu.barrier_wait(lse_ready.at[slot])
-                lse = _load(lse_smem.at[slot], COL, gmem=False)
-                if masked_tile:
-                    s = mask_scores(s, t)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
-                plgpu.barrier_wait(do_ready.at[slot])
+                p = probs_t(t, slot, masked_tile)
 
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
@@ -208,7 +203,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(do_free.at[slot])
                 plgpu.barrier_wait(dl_ready.at[slot])
                 dl = _load(dl_smem.at[slot], COL, gmem=False)
-                ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
+                ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
                 if not with_dq:
                     def dk_fn(acc_ref):
                         plgpu.wgmma(acc_ref, ds, q_smem.at[slot])
