@@ -32,10 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-#: Variables set by ``python -m jax_seqpar launch`` for each process it starts.
-ENV_COORDINATOR = "JAX_SEQPAR_COORDINATOR"
-ENV_NUM_PROCESSES = "JAX_SEQPAR_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAX_SEQPAR_PROCESS_ID"
+# the variables that ``python -m jax_seqpar launch`` sets for each process it starts; they
+# are named in ``launch``, which imports no JAX, so that the launcher starts at once
+from jax_seqpar.runtime.launch import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 CPU_COLLECTIVES = ("gloo", "mpi")
 

@@ -28,7 +28,11 @@ import threading
 import time
 from typing import List, Optional, Sequence, TextIO
 
-from jax_seqpar.runtime.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+#: The variables each process gets, which ``runtime.distributed.initialize()`` reads.  This
+#: module imports no JAX (nor the rest of the package): the launcher only starts processes.
+ENV_COORDINATOR = "JAX_SEQPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "JAX_SEQPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_SEQPAR_PROCESS_ID"
 
 #: Exit code when ``--timeout`` passes (the code ``timeout(1)`` uses).
 TIMEOUT_EXIT = 124
