@@ -34,8 +34,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | $(PY)
 demo: $(STAMP)
 	$(PY) -m jax_seqpar demo
 
+# --dist worksteal: a worker that runs out of tests takes some queued for the other one, so
+# neither sits idle at the end (with the default 'load', one waited ~10 s; 2026-11-25)
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal -q $(PYTEST_ARGS)
 
 info: $(STAMP)
 	$(PY) -m jax_seqpar info

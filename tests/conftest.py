@@ -52,6 +52,14 @@ for _name, _value in _FLAGS.items():
         _flags = f"{_flags} {_name}={_value}".strip()
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX writes the whole Python stack of every operation into the MLIR locations (and from
+# there into the HLO metadata) by default.  The tests' programs carry each equation's own
+# source line without it; the full stacks cost about 3.5% of the CPU time of the
+# compile-heavy files (tests/test_layouts.py + test_scan_layers.py, two runs each:
+# 63.4-64.4 s -> 61.1-62.3 s; 2026-11-25).  Subprocesses inherit it.  Without the stacks,
+# XLA's op_name of an operation inside a nested jit loses its named_scope, so
+# tests/test_remat.py, which counts those scopes, turns them back on.
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 
 import gc  # noqa: E402
 

@@ -27,6 +27,17 @@ CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=L, num_heads=4, num_kv_h
 MODES = ("none", "full", "attention", "seq_selective", "attention_mlp")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _full_tracebacks_in_locations():
+    """JAX's default for this module: tests/conftest.py turns the full Python stacks in the
+    MLIR locations off for speed, and without them XLA's ``op_name`` of an operation inside
+    a nested ``jit`` loses the ``named_scope`` that these tests count (JAX 0.11.2)."""
+    before = jax.config.jax_include_full_tracebacks_in_locations
+    jax.config.update("jax_include_full_tracebacks_in_locations", True)
+    yield
+    jax.config.update("jax_include_full_tracebacks_in_locations", before)
+
+
 @functools.lru_cache(maxsize=None)
 def setup(mode):
     """``mode``: a ``REMAT_MODES`` name, ``+offload`` appended for ``remat_offload``."""
