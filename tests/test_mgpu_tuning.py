@@ -90,10 +90,14 @@ def test_committed_table_loads_and_fits_shared_memory():
 @pytest.mark.parametrize("D", [64, 128])
 def test_candidates_fit_and_vary(D):
     fwd, bwd = mt.forward_candidates(D), mt.backward_candidates(D)
-    assert len(set(fwd)) == len(fwd) >= 5 and len(set(bwd)) == len(bwd) >= 3
+    assert len(set(fwd)) == len(fwd) >= 4 and len(set(bwd)) == len(bwd) >= 3
     assert all(forward_smem_bytes(c, D, "bfloat16") <= SMEM_LIMIT for c in fwd)
     assert all(backward_smem_bytes(c, D, "bfloat16") <= SMEM_LIMIT for c in bwd)
-    assert len({c.block_kv for c in fwd}) >= 3 and len({c.num_stages for c in fwd}) >= 2
+    assert len({c.block_kv for c in fwd}) >= (3 if D == 64 else 2)
+    assert len({c.num_stages for c in fwd}) >= 2
+    if D == 128:  # Mosaic GPU refused these two on an H200 (232,568 / 232,536 bytes)
+        tried = {(c.block_kv, c.num_stages) for c in fwd}
+        assert (128, 3) not in tried and (192, 2) not in tried and (128, 2) in tried
     assert {c.atomic_dq for c in bwd} == {False, True}
 
 

@@ -140,13 +140,19 @@ DEFAULT_MGPU_CONFIGS = {
 }
 
 
+#: What the forward kernel holds beyond its blocks (barriers, the tile-index scratch):
+#: Mosaic GPU reported 2648 and 2680 bytes more than the blocks for two D 128 tilings on
+#: an H200 (JAX 0.11.2, 2026-11-25: 232,536 and 232,568 bytes against its 232,448 limit).
+FWD_SMEM_EXTRA = 3 * 1024
+
+
 def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one forward CTA: two query/output blocks, the K and V rings and
-    the two lse rows."""
+    """Shared memory of one forward CTA: two query/output blocks, the K and V rings, the
+    two lse rows and ``FWD_SMEM_EXTRA``."""
     item = jnp.dtype(dtype).itemsize
     q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
-    return q_o + kv + 2 * config.block_q * 4
+    return q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
 
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
