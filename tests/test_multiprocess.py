@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import json
 import subprocess
 import sys
@@ -276,6 +277,35 @@ def test_launch_in_process_api_and_argument_errors():
         launch(["true"], 2, grace=-1)
     code, _, err_text = run_launcher("-n", 2, timeout=60)
     assert code == 2 and "no command to launch" in err_text
+
+
+#: A process of a launched job: a plain bind of the coordinator's port must fail (the
+#: launcher holds it); a listening socket with SO_REUSEPORT on all addresses, as JAX's
+#: gRPC server binds it, must succeed.
+_PORT_CHILD = ("import os, socket; port = int(os.environ['JAX_SEQPAR_COORDINATOR'].rsplit(':', 1)[1]); "
+               "plain = socket.socket()\n"
+               "try:\n    plain.bind(('0.0.0.0', port)); print('plain bind: taken')\n"
+               "except OSError as e:\n    print('plain bind: refused', e.errno)\n"
+               "srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+               "srv.bind(('0.0.0.0', port)); srv.listen(); print('server bind: ok', flush=True)")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not hasattr(__import__("socket"), "SO_REUSEPORT"), reason="no SO_REUSEPORT")
+def test_launch_holds_the_coordinator_port_until_the_job_ends():
+    """A port only looked up and closed could be taken before the coordinator binds it
+    (seen under load: "Address already in use"); the launcher holds it instead."""
+    import errno
+    import socket
+
+    out, err = io.StringIO(), io.StringIO()
+    assert launch([sys.executable, "-c", _PORT_CHILD], 1, stdout=out, stderr=err) == 0, \
+        out.getvalue() + err.getvalue()
+    assert out.getvalue().splitlines() == [f"[p0] plain bind: refused {errno.EADDRINUSE}",
+                                           "[p0] server bind: ok"], out.getvalue()
+    port = int(re.search(r"127\.0\.0\.1:(\d+)", err.getvalue()).group(1))
+    with socket.socket() as s:  # released when the job has ended
+        s.bind(("127.0.0.1", port))
 
 
 def test_process_envs_devices_and_gpus():

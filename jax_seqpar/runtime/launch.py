@@ -1,7 +1,8 @@
 """``python -m jax_seqpar launch``: run one command as N local processes of one JAX job.
 
 Each process gets the variables ``jax_seqpar.runtime.distributed.initialize()`` reads (the
-coordinator on 127.0.0.1 and a free port, the number of processes, its index) and, on
+coordinator on 127.0.0.1 and a free port, which the launcher holds until the job ends:
+``reserve_port``; the number of processes, its index) and, on
 request, its own set of simulated CPU devices (``XLA_FLAGS``) or GPUs
 (``CUDA_VISIBLE_DEVICES``).  The output of every process is streamed line by line with a
 ``[p<i>]`` prefix.  If a process fails, the others are stopped and the launcher exits
@@ -41,11 +42,27 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 GRACE_S = 5.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A bound socket on a free TCP port (the OS picks it); ``.getsockname()[1]`` is the port.
+
+    Keep it open until the coordinator listens.  A port that is only looked up and closed
+    can be taken before the coordinator binds it: by another job's bind, or as the source
+    port of any outgoing connection, since the OS picks both from the same ephemeral range.
+    Under load that happened: 1 of 30 concurrent runs of ``test_two_processes_load_and_save``
+    failed with "Address already in use" (2026-11-25).  While this socket holds the port,
+    the OS neither binds it for others nor connects from it; it sets ``SO_REUSEPORT``,
+    as gRPC's servers do, so the coordinator (JAX's gRPC server, ``[::]:port``) can still
+    bind it (Linux: same user, both with the option).  It never listens, so no connection
+    is ever routed to it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind((host, 0))
-        return s.getsockname()[1]
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _with_device_count(xla_flags: str, n: int) -> str:
@@ -216,7 +233,8 @@ def launch(command: Sequence[str], num_processes: int, *,
         raise ValueError(f"grace={grace!r} must be a number of seconds >= 0")
     if port is not None and not (isinstance(port, int) and 0 < port < 65536):
         raise ValueError(f"port={port!r} must be in 1..65535")
-    port = port or free_port()
+    held = None if port else reserve_port()  # released when the job has ended
+    port = port or held.getsockname()[1]
     envs = process_envs(num_processes, port, devices_per_process=devices_per_process,
                         gpus_per_process=gpus_per_process)
     printer = _Printer()
@@ -254,6 +272,8 @@ def launch(command: Sequence[str], num_processes: int, *,
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if held is not None:
+            held.close()
     for t in pumps:
         t.join(timeout=GRACE_S)
     return code
