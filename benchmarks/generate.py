@@ -289,7 +289,9 @@ def main(argv=None):
                    help="an N-D mesh over the devices (sharding.make_mesh): weights over "
                         "the tensor axis, prompts over data x fsdp, the cache over the "
                         "sequence (and tensor heads); 'auto': sharding.choose_mesh per "
-                        "configuration; default: the cache over every device")
+                        "configuration; 'none' (the default): the one-axis model, the "
+                        "cache over every device, weights replicated.  Several, "
+                        "';'-separated: each configuration on each mesh, in one run")
     p.add_argument("--scan-layers", nargs="?", const="on", default="off",
                    choices=("off", "on", "both"),
                    help="the model with LlamaConfig(scan_layers=True), its weights "
@@ -302,16 +304,19 @@ def main(argv=None):
         a.configs, a.new_tokens, a.repeats = "tiny:256:1,tiny:128:4", 6, 1
         a.devices = a.devices or 2
     G = a.devices or jax.device_count()
-    par = None
-    if a.mesh and a.mesh != "auto":
-        sizes = parse_mesh_arg(a.mesh)
-        if math.prod(sizes.values()) != G:
-            p.error(f"--mesh {a.mesh}: the sizes multiply to {math.prod(sizes.values())}, "
-                    f"not {G} devices (--devices)")
-        mesh, par = make_mesh(sizes, jax.devices()[:G])
-    else:
-        mesh = jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
-                             axis_types=(AxisType.Auto,))
+    meshes = {}   # --mesh entry -> (mesh, Parallelism or None); "auto" is per configuration
+    for entry in [m.strip() for m in (a.mesh or "none").split(";") if m.strip()]:
+        if entry == "auto":
+            meshes[entry] = None
+        elif entry == "none":
+            meshes[entry] = (jax.make_mesh((G,), ("sp",), devices=jax.devices()[:G],
+                                           axis_types=(AxisType.Auto,)), None)
+        else:
+            sizes = parse_mesh_arg(entry)
+            if math.prod(sizes.values()) != G:
+                p.error(f"--mesh {entry}: the sizes multiply to {math.prod(sizes.values())}, "
+                        f"not {G} devices (--devices)")
+            meshes[entry] = make_mesh(sizes, jax.devices()[:G])
     a.strategies = ([x for x in a.strategies.split(",") if x] if a.strategies is not None
                     else (["ring", "allgather"] if G > 1 else []))
     t_start = time.perf_counter()
@@ -322,38 +327,49 @@ def main(argv=None):
     rows = []
     name = a.name or f"generate_{jax.default_backend()}{G}"
     forms = {"off": (False,), "on": (True,), "both": (False, True)}[a.scan_layers]
+    tokens_by_config = {}   # configuration -> (first mesh, its greedy tokens)
     for spec in a.configs.split(","):
         if time.perf_counter() - t_start > a.budget_s:
             print(f"budget spent: skipping {spec}")
             continue
         size, P_, B = spec.split(":")
-        tokens = {}
-        for scan in forms:
-            try:
-                if a.mesh == "auto":  # per configuration: choose_mesh's pick for its shapes
-                    mesh, par = auto_mesh(size, int(P_), int(B), G)
-                row, out = run_config(size, int(P_), int(B), a, mesh, rate, par, scan)
-                tokens[scan] = np.asarray(out)
-                if scan and False in tokens:   # the same numbers: the same greedy tokens?
-                    row["tokens_equal_unrolled"] = bool(np.array_equal(out, tokens[False]))
-            except Exception as e:  # noqa: BLE001  (out of memory at one size: go on)
-                row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
-                           scan_layers=scan, error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(row)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                   if k != "decode_runs_s"}, flush=True)
-            save_json(dict(env=env_info(), hbm_rates=rates, hbm_rate_used=rate, rows=rows),
-                      os.path.join(out_dir(), f"{name}.json"))
-            jax.clear_caches()
-    print(f"\n{'config':>16} {'prefill tok/s':>13} {'MFU':>6} {'decode ms/tok':>13} "
+        for entry, placed in meshes.items():
+            tokens = {}
+            for scan in forms:
+                try:
+                    if placed is None:  # auto, per configuration: choose_mesh's pick
+                        mesh, par = auto_mesh(size, int(P_), int(B), G)
+                    else:
+                        mesh, par = placed
+                    row, out = run_config(size, int(P_), int(B), a, mesh, rate, par, scan)
+                    tokens[scan] = np.asarray(out)
+                    if scan and False in tokens:  # the same numbers: the same greedy tokens?
+                        row["tokens_equal_unrolled"] = bool(np.array_equal(out, tokens[False]))
+                    first = tokens_by_config.setdefault(spec, (entry, tokens[scan]))
+                    if first[0] != entry:   # every mesh decodes the same numbers
+                        row["tokens_equal_mesh"] = dict(
+                            mesh=first[0], equal=bool(np.array_equal(out, first[1])))
+                except Exception as e:  # noqa: BLE001  (out of memory at one size: go on)
+                    row = dict(size=size, prompt=int(P_), batch=int(B), devices=G,
+                               scan_layers=scan, error=f"{type(e).__name__}: {str(e)[:300]}")
+                row["mesh_arg"] = entry
+                rows.append(row)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                       if k != "decode_runs_s"}, flush=True)
+                save_json(dict(env=env_info(), hbm_rates=rates, hbm_rate_used=rate, rows=rows),
+                          os.path.join(out_dir(), f"{name}.json"))
+                jax.clear_caches()
+    print(f"\n{'config':>16} {'mesh':>18} {'prefill tok/s':>13} {'MFU':>6} "
+          f"{'decode ms/tok':>13} "
           f"{'floor ms':>9} {'of floor':>8} {'dense ms':>9} {'x dense':>7} "
           + " ".join(f"{s + ' ms':>13}" for s in a.strategies))
     for r in rows:
         tag = f"{r['size']}:{r['prompt']}:{r['batch']}" + ("+scan" if r["scan_layers"] else "")
+        where = r["mesh_arg"]
         if "error" in r:
-            print(f"{tag:>16} {r['error'][:90]}")
+            print(f"{tag:>16} {where:>18} {r['error'][:90]}")
             continue
-        print(f"{tag:>16} {r['prefill_tokens_per_s']:13.0f} {r['prefill_mfu']:6.3f} "
+        print(f"{tag:>16} {where:>18} {r['prefill_tokens_per_s']:13.0f} {r['prefill_mfu']:6.3f} "
               f"{r['decode_ms_per_token']:13.3f} {r['floor_ms_per_token']:9.3f} "
               f"{r['fraction_of_floor']:8.3f} {r.get('dense_ms_per_token', math.nan):9.3f} "
               f"{r.get('speedup_vs_dense', math.nan):7.2f} "

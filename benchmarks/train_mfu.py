@@ -182,7 +182,7 @@ def matmul_rate(n=8192):
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
           lr=1e-4, seed=0, packed=None, opt_memory="device", mesh_sizes=None,
-          scan_layers=False):
+          scan_layers=False, rows=None):
     """``(step, state, batches, cfg, (state_bytes, params_bytes, per_layer), lengths)``
     (``per_layer``: ``layer_param_bytes``); ``step(state, batch)`` ->
     ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
@@ -194,7 +194,8 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     ``mesh_sizes`` (``{"data": .., "fsdp": .., "sequence": .., "tensor": ..}``, from
     ``--mesh``): an N-D mesh with ``sharding.Parallelism`` (``Llama(parallelism=...)``,
     the state laid out by the logical rules) and ``data * fsdp`` rows of ``S`` tokens;
-    None: the one-axis model over ``G`` devices, one row."""
+    None: the one-axis model over ``G`` devices, one row.  ``rows`` (``--batch``): that
+    many rows of ``S`` tokens instead (a multiple of ``data * fsdp``)."""
     devs = jax.devices()[:G]
     mode, offload = parse_remat(remat)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32", remat=mode,
@@ -202,13 +203,13 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     if mesh_sizes is None:
         mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
         model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
-        seq, B = NamedSharding(mesh, P(None, "sp")), 1
+        seq, B = NamedSharding(mesh, P(None, "sp")), batch_rows(None, rows)
     else:
         mesh, par = make_mesh(mesh_sizes, devs)
         model = Llama(cfg, mesh=mesh, parallelism=par, layout="zigzag", backward="auto",
                       kernel="auto")
         seq = par.sharding(mesh, ("batch", "length"))
-        B = mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+        B = batch_rows(mesh_sizes, rows)
         if packed is not None:
             raise ValueError("--packed with --mesh: not supported yet (one packed row)")
         params_mode = "logical" if params_mode == "fsdp" else params_mode
@@ -236,6 +237,18 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
     return step, state, batches, cfg, (state_bytes, params_bytes, per_layer), lengths
 
 
+def batch_rows(mesh_sizes, rows=None) -> int:
+    """Rows of one step: ``rows`` (``--batch``), else one per ``data * fsdp`` shard (one
+    for the one-axis model).  ``ValueError`` when ``rows`` does not divide over them."""
+    shards = 1 if mesh_sizes is None else mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+    if rows is None:
+        return shards
+    if rows < 1 or rows % shards:
+        raise ValueError(f"--batch {rows} must be a positive multiple of data x fsdp = "
+                         f"{shards}")
+    return rows
+
+
 def layer_param_bytes(params) -> tuple:
     """``(on one device, whole)``: the bytes of one decoder block's parameters, from
     ``ShapeDtypeStruct``s with shardings (``abstract_train_state``) in either form: the
@@ -255,19 +268,41 @@ def mesh_label(sizes) -> str:
     return "x".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 device"
 
 
-def mesh_arg(text: str, size: str, G: int, S: int, remat: str):
+def mesh_choice(size: str, G: int, S: int, remat: str, *, rows: int = 1,
+                dtype: str = "bfloat16"):
+    """``sharding.choose_mesh`` for one node of ``G`` H200s (NVLink 450 GB/s per device,
+    141 GB, 989 TFLOP/s), ``rows`` sequences of ``S`` tokens, the row's compute dtype with
+    float32 parameters (as ``build``), and its remat entry as the model knows it: ``none``
+    as "none", every other policy as "full" (the model has no partial-save mode; the
+    policies that save more recompute less than "full" models and keep more)."""
+    mode, _ = parse_remat(remat)
+    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32")
+    return choose_mesh(cfg, seq_len=S, global_batch=rows, devices_per_node=G,
+                       intra_link=Link(450e9, 5e-6), device_memory=141e9,
+                       device_flops=989e12, remat="none" if mode == "none" else "full")
+
+
+def predicted_for(choice, sizes) -> dict:
+    """What ``choice`` (a ``MeshChoice``) modeled for the mesh ``sizes``: its step time,
+    memory per device, why it was skipped (if it was), and the pick."""
+    c = next(c for c in choice.candidates if c.sizes == sizes)
+    return dict(pick=dict(choice.sizes), picked=c.sizes == choice.sizes, skipped=c.skipped,
+                step_s=c.step_seconds, seconds=c.seconds,
+                memory_gib=None if c.memory is None else c.memory / 2 ** 30,
+                state_gib=None if c.state_memory is None else c.state_memory / 2 ** 30)
+
+
+def mesh_arg(text: str, size: str, G: int, S: int, remat: str, rows=None,
+             dtype: str = "bfloat16"):
     """One ``--mesh`` entry -> role sizes (None for ``"none"``).  ``"auto"`` asks
-    ``sharding.choose_mesh`` for one node of ``G`` H200s (NVLink 450 GB/s per device,
-    141 GB, 989 TFLOP/s) and prints its reason; a batch of one row per step."""
+    ``mesh_choice`` (``sharding.choose_mesh``) and prints its reason; ``rows`` sequences
+    of ``S`` tokens per step (``--batch``; default one per data x fsdp shard, so one for
+    ``auto``)."""
     text = text.strip()
     if text == "none":
         return None
     if text == "auto":
-        cfg = LlamaConfig(**SIZES[size])
-        choice = choose_mesh(cfg, seq_len=S, global_batch=1, devices_per_node=G,
-                             intra_link=Link(450e9, 5e-6), device_memory=141e9,
-                             device_flops=989e12,
-                             remat="none" if remat == "none" else "full")
+        choice = mesh_choice(size, G, S, remat, rows=rows or 1, dtype=dtype)
         print(f"# --mesh auto for {size} G={G} S={S}: {choice.sizes} ({choice.reason})",
               flush=True)
         return dict(choice.sizes)
@@ -374,13 +409,14 @@ def host_peak_gib() -> float:
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
             account=False, profile=None, opt_memory="device", mesh_sizes=None,
-            scan_layers=False):
+            scan_layers=False, rows=None, predicted=None):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
-    compiled and run once, then ``steps`` timed steps of each, alternating."""
+    compiled and run once, then ``steps`` timed steps of each, alternating.
+    ``predicted``: ``choose_mesh``'s numbers for this mesh, copied into the row."""
     step, state, batches, cfg, (state_bytes, params_bytes, layer_bytes), lengths = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed,
-        opt_memory=opt_memory, mesh_sizes=mesh_sizes, scan_layers=scan_layers)
-    B = 1 if mesh_sizes is None else mesh_sizes.get("data", 1) * mesh_sizes.get("fsdp", 1)
+        opt_memory=opt_memory, mesh_sizes=mesh_sizes, scan_layers=scan_layers, rows=rows)
+    B = batch_rows(mesh_sizes, rows)
     acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
                           params_bytes, opt_memory, layer_bytes) if account else None)
     if acc is not None:  # before running: a step that runs out of memory still shows it
@@ -432,6 +468,8 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
                    scan_layers=cfg.scan_layers,
                    peak_gib=(max(m for m in mem if m is not None) / 2 ** 30
                              if any(m is not None for m in mem) else None))
+        if predicted is not None:
+            row["choose_mesh"] = predicted
         if acc is not None:
             row["memory_account"] = acc
         if prof is not None and kind == next(iter(batches)):
@@ -471,14 +509,26 @@ def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=
 
 def table(rows):
     kinds = any(r.get("batch") == "packed" for r in rows)
-    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'params':10s} {'remat':22s} "
+    meshes = any(isinstance(r.get("mesh"), dict) for r in rows)
+    print(f"\n{'size':4s} {'G':>2s} {'S':>8s} {'B':>2s} {'params':10s} {'remat':22s} "
+          + (f"{'mesh':22s} " if meshes else "")
           + (f"{'batch':8s} " if kinds else "")
-          + f"{'step s':>8s} {'TGS':>9s} {'MFU%':>6s} {'peak GiB':>8s}")
+          + f"{'step s':>8s} {'TGS':>9s} {'MFU%':>6s} {'peak GiB':>8s}"
+          + (f" {'model s':>8s} {'model GiB':>9s}" if meshes else ""))
     for r in rows:
-        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['params_mode']:10s} {r['remat']:22s} "
+        pred = r.get("choose_mesh") or {}
+        label = mesh_label(r["mesh"]) if isinstance(r.get("mesh"), dict) else "one axis"
+        print(f"{r['size']:4s} {r['G']:2d} {r['S']:8d} {r['batch_rows']:2d} "
+              f"{r['params_mode']:10s} {r['remat']:22s} "
+              + (f"{label + ('*' if pred.get('picked') else ''):22s} " if meshes else "")
               + (f"{r['batch']:8s} " if kinds else "")
               + f"{r['step_s']:8.3f} {r['tgs']:9.1f} {100 * r.get('mfu', float('nan')):6.1f} "
-              f"{r['peak_gib'] if r['peak_gib'] is not None else float('nan'):8.1f}")
+              f"{r['peak_gib'] if r['peak_gib'] is not None else float('nan'):8.1f}"
+              + (f" {pred.get('step_s') or float('nan'):8.3f}"
+                 f" {pred.get('memory_gib') or float('nan'):9.1f}" if meshes else ""))
+    if meshes:
+        print("(* choose_mesh's pick for that row's size, length and batch; model s / GiB: "
+              "its modeled step and memory per device)")
 
 
 def main(argv=None):
@@ -488,7 +538,15 @@ def main(argv=None):
     p.add_argument("--devices", default=None, help="device counts, comma-separated")
     p.add_argument("--tokens-per-gpu", default=None, help="comma-separated")
     p.add_argument("--seq", default=None,
-                   help="total sequence lengths (instead of --tokens-per-gpu), comma-separated")
+                   help="total sequence lengths (instead of --tokens-per-gpu), comma-separated; "
+                        "with --batch, each sequence's length")
+    p.add_argument("--batch", type=int, default=None, metavar="ROWS",
+                   help="sequences per step, each of --seq tokens, on every mesh (a multiple "
+                        "of data x fsdp): the same work per step whatever the mesh; default "
+                        "one per data x fsdp shard, the --seq tokens split among them")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new row after this many seconds (the row is recorded as "
+                        "skipped)")
     p.add_argument("--params", default="fsdp", choices=("fsdp", "replicated"))
     p.add_argument("--remat", default=None,
                    help=f"comma-separated entries, each one of {REMAT_MODES}, optionally "
@@ -512,12 +570,18 @@ def main(argv=None):
                    help="the decoder blocks as one loop over stacked parameters "
                         "(LlamaConfig(scan_layers=True)): XLA compiles one block, not one "
                         "per layer")
+    p.add_argument("--tag", default=None,
+                   help="appended to the JSON's name (one file per process, e.g. one mesh "
+                        "each: a process's peak memory is its own)")
     add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
     p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
                    help="also time a packed step: documents with log-normal lengths of this "
                         "median, segment ids and per-document positions, alternating with "
                         "the unpacked step on the same tokens (module docstring)")
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    if args.batch is not None and (args.batch < 1 or not args.seq):
+        p.error(f"--batch={args.batch} must be positive and needs --seq (each row's length)")
     if args.packed is not None and args.packed < 1:
         p.error(f"--packed={args.packed} must be a positive median document length")
     compile_cache_from_args(args)  # rows run again with the same shapes: no compile
@@ -554,9 +618,11 @@ def main(argv=None):
                   xla_flags=os.environ.get("XLA_FLAGS"))
     cfg["packed"] = args.packed
     cfg["scan_layers"] = args.scan_layers
+    cfg["batch"] = args.batch
     path = os.path.join(out_dir(), f"train_mfu_{name}"
                         + (f"_packed{args.packed}" if args.packed else "")
-                        + ("_scan" if args.scan_layers else "") + ".json")
+                        + ("_scan" if args.scan_layers else "")
+                        + (f"_{args.tag}" if args.tag else "") + ".json")
     meshes = args.mesh.split(";") if args.mesh else ["none"]
     plan = [(size, G, S, remat, mesh) for size in cfg["sizes"] for G in counts
             for S in ([int(x) for x in args.seq.split(",")] if args.seq
@@ -566,17 +632,39 @@ def main(argv=None):
         if mesh.strip() not in ("none", "auto") and math.prod(
                 parse_mesh_arg(mesh).values()) != G:
             continue  # a mesh of another device count: not this row
+        if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: skipped (--budget-s "
+                  f"{args.budget_s:g} spent)", flush=True)
+            result["rows"].append(dict(size=size, G=G, S=S, remat=remat, mesh=mesh,
+                                       error="skipped: --budget-s spent"))
+            continue
         try:
-            sizes = mesh_arg(mesh, size, G, S, remat)
-            rows = 1 if sizes is None else sizes["data"] * sizes["fsdp"]
-            if S % rows:
-                raise ValueError(f"{S} tokens per step do not divide into {rows} rows")
-            result["rows"].extend(measure(size, G, S // rows, dtype=cfg["dtype"],
+            sizes = mesh_arg(mesh, size, G, S, remat, rows=args.batch, dtype=cfg["dtype"])
+            if args.batch is None:  # --seq / tokens per step, split into data x fsdp rows
+                n = batch_rows(sizes)
+                if S % n:
+                    raise ValueError(f"{S} tokens per step do not divide into {n} rows")
+                S_row = S // n
+            else:
+                S_row = S
+            predicted = None if sizes is None else predicted_for(
+                mesh_choice(size, G, S_row, remat, rows=batch_rows(sizes, args.batch),
+                            dtype=cfg["dtype"]), sizes)
+            if predicted is not None:
+                print(f"# choose_mesh for {mesh_label(sizes)}: modeled "
+                      + ("-" if predicted["step_s"] is None else f"{predicted['step_s']:.3g} s")
+                      + (f", {predicted['memory_gib']:.1f} GiB"
+                         if predicted["memory_gib"] is not None else "")
+                      + f"; picks {mesh_label(predicted['pick'])}"
+                      + (f" ({predicted['skipped']})" if predicted["skipped"] else ""),
+                      flush=True)
+            result["rows"].extend(measure(size, G, S_row, dtype=cfg["dtype"],
                                           remat=remat, params_mode=args.params,
                                           steps=cfg["steps"], peak=cfg["peak"], rate=rate,
                                           packed=args.packed, account=args.memory_account,
                                           profile=args.profile, opt_memory=args.opt_memory,
-                                          mesh_sizes=sizes, scan_layers=args.scan_layers))
+                                          mesh_sizes=sizes, scan_layers=args.scan_layers,
+                                          rows=args.batch, predicted=predicted))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: FAILED {msg}", flush=True)
