@@ -12,6 +12,16 @@ the bytes behind the residual stream's layout on the tensor axis.
    minus 1.
 
     python benchmarks/nd_mesh.py
+
+3. ``--report DIR [DIR ...]`` (issue 42): the rows that ``nd_mesh_gpu.sh`` measured
+   (``train_mfu*.json`` and ``generate*.json`` under the folders), one table per
+   (size, length): step time, MFU, peak memory, the measured rank, and what
+   ``choose_mesh`` models for each mesh now (``train_mfu.mesh_choice``: the row's
+   shapes, remat mode and layer form) beside what it modeled in the run (the row's
+   ``choose_mesh`` field); then the generation rows (decode ms per token against the
+   HBM floor, per mesh).  Prints markdown; writes ``nd_mesh_report.json``.
+
+    python benchmarks/nd_mesh.py --report benchmarks/results/nd_mesh_gpu/2026-11-26
 """
 
 from __future__ import annotations
@@ -68,7 +78,85 @@ def tensor_bytes(par_cls, layers):
     return rep.bytes_by_axis(mesh).get("tensor", 0), rep.bytes_by_kind()
 
 
+def _label(sizes) -> str:
+    if not isinstance(sizes, dict):
+        return str(sizes)
+    return " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1) or "1 device"
+
+
+def report(dirs):
+    """The measured rows of ``dirs`` against ``choose_mesh`` (module docstring, 3)."""
+    import glob
+    import json
+
+    from jax_seqpar.sharding import parse_mesh_arg
+    from train_mfu import mesh_choice, predicted_for
+    groups, gen = {}, []
+    for d in dirs:
+        for f in sorted(glob.glob(os.path.join(d, "**", "*.json"), recursive=True)):
+            data = json.load(open(f))
+            if os.path.basename(f).startswith("generate"):
+                gen.extend(data["rows"])
+                continue
+            for r in data.get("rows", []):
+                sizes = r["mesh"] if isinstance(r["mesh"], dict) else parse_mesh_arg(r["mesh"])
+                rows = r.get("batch_rows") or (data["config"].get("batch") or 1)
+                scan = bool(data["config"].get("scan_layers"))
+                now = predicted_for(mesh_choice(r["size"], r["G"], r["S"], r["remat"],
+                                                rows=rows, scan_layers=scan), sizes)
+                groups.setdefault((r["size"], r["S"], r["remat"], rows), []).append(
+                    dict(row=r, sizes=sizes, now=now, then=r.get("choose_mesh")))
+    out = []
+    for (size, S, remat, rows), items in groups.items():
+        ran = sorted((i for i in items if "error" not in i["row"]),
+                     key=lambda i: i["row"]["step_s"])
+        best = ran[0]["row"]["step_s"] if ran else None
+        print(f"\n**{size}, {rows} x {S // 1024}k tokens per step, remat {remat}**"
+              f" (choose_mesh now picks {_label(items[0]['now']['pick'])})\n")
+        print("| mesh | step (s) | vs best | MFU | peak (GiB) | model step (s) | "
+              "model memory (GiB) | in the run: model GiB, pick |")
+        print("|:--|--:|--:|--:|--:|--:|--:|:--|")
+        for i in sorted(items, key=lambda i: i["row"].get("step_s", float("inf"))):
+            r, now, then = i["row"], i["now"], i["then"] or {}
+            pick = "**pick**" if now["picked"] else ""
+            fits = f" ({now['skipped']})" if now["skipped"] else ""
+            ran_cols = ("| out of memory | | | " if "error" in r else
+                        f"| {r['step_s']:.3f} | {r['step_s'] / best:.3f} | "
+                        f"{100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} ")
+            then_cols = (f"{then['memory_gib']:.1f}, {_label(then['pick'])}"
+                         if then.get("memory_gib") is not None else "")
+            print(f"| {_label(i['sizes'])} {pick} {ran_cols}| {now['step_s']:.3g} | "
+                  f"{now['memory_gib']:.1f}{fits} | {then_cols} |")
+            out.append(dict(size=size, S=S, remat=remat, rows=rows, mesh=i["sizes"],
+                            measured=None if "error" in r else dict(
+                                step_s=r["step_s"], mfu=r["mfu"], peak_gib=r["peak_gib"]),
+                            error=r.get("error"), model_now=now, model_in_run=then))
+    if gen:
+        print("\n| model, prompt, batch | mesh | weights per GPU (GB) | prefill tokens/s | "
+              "decode ms/token | HBM floor ms | of floor |")
+        print("|:--|:--|--:|--:|--:|--:|--:|")
+        for r in gen:
+            if "error" in r:
+                print(f"| {r['size']}:{r['prompt']}:{r['batch']} | {r.get('mesh_arg')} | "
+                      f"{r['error'][:60]} | | | | |")
+                continue
+            print(f"| {r['size']}, {r['prompt'] // 1024}k, {r['batch']} | "
+                  f"{r.get('mesh_arg', _label(r['mesh']))} | "
+                  f"{r['weight_bytes_per_device'] / 1e9:.2f} | "
+                  f"{r['prefill_tokens_per_s']:,.0f} | {r['decode_ms_per_token']:.2f} | "
+                  f"{r['floor_ms_per_token']:.2f} | {r['fraction_of_floor']:.2f} |")
+    save_json(dict(env=env_info(), dirs=list(dirs), train=out, generate=gen),
+              os.path.join(out_dir(), "nd_mesh_report.json"))
+
+
 def main():
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", nargs="+", default=None, metavar="DIR",
+                   help="measured rows (nd_mesh_gpu.sh) against choose_mesh")
+    a = p.parse_args()
+    if a.report:
+        return report(a.report)
     rows = []
     print(f"# {env_info()}")
     for name, cfg, kw in CLUSTERS:

@@ -92,6 +92,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from jax_seqpar.parallel.comm_time import Link  # noqa: E402
 from jax_seqpar.sharding import choose_mesh, make_mesh, parse_mesh_arg  # noqa: E402
+from jax_seqpar.sharding.choose_mesh import saved_per_layer  # noqa: E402
 from jax_seqpar.sharding.fsdp import bytes_per_device  # noqa: E402
 from jax_seqpar.models import Llama, LlamaConfig  # noqa: E402
 from jax_seqpar.models.llama import LAYERS  # noqa: E402
@@ -269,17 +270,17 @@ def mesh_label(sizes) -> str:
 
 
 def mesh_choice(size: str, G: int, S: int, remat: str, *, rows: int = 1,
-                dtype: str = "bfloat16"):
+                dtype: str = "bfloat16", scan_layers: bool = False):
     """``sharding.choose_mesh`` for one node of ``G`` H200s (NVLink 450 GB/s per device,
     141 GB, 989 TFLOP/s), ``rows`` sequences of ``S`` tokens, the row's compute dtype with
-    float32 parameters (as ``build``), and its remat entry as the model knows it: ``none``
-    as "none", every other policy as "full" (the model has no partial-save mode; the
-    policies that save more recompute less than "full" models and keep more)."""
+    float32 parameters, its remat mode and layer form (as ``build``); offloading is not
+    modeled (its rows are modeled as the mode without it)."""
     mode, _ = parse_remat(remat)
-    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32")
+    cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32",
+                      scan_layers=scan_layers)
     return choose_mesh(cfg, seq_len=S, global_batch=rows, devices_per_node=G,
                        intra_link=Link(450e9, 5e-6), device_memory=141e9,
-                       device_flops=989e12, remat="none" if mode == "none" else "full")
+                       device_flops=989e12, remat=mode)
 
 
 def predicted_for(choice, sizes) -> dict:
@@ -293,7 +294,7 @@ def predicted_for(choice, sizes) -> dict:
 
 
 def mesh_arg(text: str, size: str, G: int, S: int, remat: str, rows=None,
-             dtype: str = "bfloat16"):
+             dtype: str = "bfloat16", scan_layers: bool = False):
     """One ``--mesh`` entry -> role sizes (None for ``"none"``).  ``"auto"`` asks
     ``mesh_choice`` (``sharding.choose_mesh``) and prints its reason; ``rows`` sequences
     of ``S`` tokens per step (``--batch``; default one per data x fsdp shard, so one for
@@ -302,7 +303,8 @@ def mesh_arg(text: str, size: str, G: int, S: int, remat: str, rows=None,
     if text == "none":
         return None
     if text == "auto":
-        choice = mesh_choice(size, G, S, remat, rows=rows or 1, dtype=dtype)
+        choice = mesh_choice(size, G, S, remat, rows=rows or 1, dtype=dtype,
+                             scan_layers=scan_layers)
         print(f"# --mesh auto for {size} G={G} S={S}: {choice.sizes} ({choice.reason})",
               flush=True)
         return dict(choice.sizes)
@@ -324,21 +326,11 @@ def parse_remat(entry: str):
 
 def residual_bytes(cfg: LlamaConfig, tokens: int) -> dict:
     """Bytes one device keeps per layer between the forward and the backward under
-    ``cfg.remat`` (counted from the shapes; ``tokens`` per device): the block input, the
-    attention output and lse, the MLP's gate and up projections, as the policy saves
-    them.  ``None`` for ``remat="none"`` (everything is kept)."""
-    if cfg.remat == "none":
-        return None
-    dt = jnp.dtype(cfg.dtype).itemsize
-    attn = tokens * cfg.num_heads * cfg.head_dim * dt + cfg.num_heads * tokens * 4
-    per = {"block input": tokens * cfg.d_model * dt}
-    if cfg.remat in ("attention", "attention_mlp"):
-        per["attention out + lse"] = attn
-    if cfg.remat == "seq_selective":
-        per["attention out + lse (later half)"] = attn // 2
-    if cfg.remat == "attention_mlp":
-        per["mlp gate + up"] = 2 * tokens * cfg.ffn_dim * dt
-    return per
+    ``cfg.remat`` (``sharding.choose_mesh.saved_per_layer``: counted from the shapes;
+    ``tokens`` per device): the block input, the attention output and lse, the MLP's
+    gate and up projections, as the policy saves them.  ``None`` for ``remat="none"``
+    (everything is kept)."""
+    return None if cfg.remat == "none" else saved_per_layer(cfg, cfg.remat, 1, tokens)
 
 
 def memory_account(step, state, batch, cfg, G, S, state_bytes, params_bytes,
@@ -639,7 +631,8 @@ def main(argv=None):
                                        error="skipped: --budget-s spent"))
             continue
         try:
-            sizes = mesh_arg(mesh, size, G, S, remat, rows=args.batch, dtype=cfg["dtype"])
+            sizes = mesh_arg(mesh, size, G, S, remat, rows=args.batch, dtype=cfg["dtype"],
+                             scan_layers=args.scan_layers)
             if args.batch is None:  # --seq / tokens per step, split into data x fsdp rows
                 n = batch_rows(sizes)
                 if S % n:
@@ -649,7 +642,7 @@ def main(argv=None):
                 S_row = S
             predicted = None if sizes is None else predicted_for(
                 mesh_choice(size, G, S_row, remat, rows=batch_rows(sizes, args.batch),
-                            dtype=cfg["dtype"]), sizes)
+                            dtype=cfg["dtype"], scan_layers=args.scan_layers), sizes)
             if predicted is not None:
                 print(f"# choose_mesh for {mesh_label(sizes)}: modeled "
                       + ("-" if predicted["step_s"] is None else f"{predicted['step_s']:.3g} s")

@@ -338,7 +338,7 @@ def build_mesh(a, cfg, G):
         choice = choose_mesh(cfg, seq_len=max(a.stages), global_batch=min(a.batch),
                              devices_per_node=G, intra_link=Link(450e9, 5e-6),
                              device_memory=141e9, device_flops=989e12,
-                             remat="none" if a.remat == "none" else "full",
+                             remat=a.remat,
                              layout=a.layout)
         sizes = dict(choice.sizes)
         say(f"--mesh auto: {sizes} ({choice.reason})")

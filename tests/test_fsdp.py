@@ -115,8 +115,8 @@ def test_train_mfu_cpu_preset(capsys):
     assert train_mfu.main(["--preset", "cpu", "--devices", "2", "--steps", "1",
                            "--packed", "64"]) == 0
     out = capsys.readouterr().out
-    assert f"tiny  2      512 fsdp       {'attention':22s} packed" in out
-    assert f"tiny  2      512 fsdp       {'attention':22s} unpacked" in out
+    assert f"tiny  2      512  1 fsdp       {'attention':22s} packed" in out
+    assert f"tiny  2      512  1 fsdp       {'attention':22s} unpacked" in out
 
 
 def test_train_mfu_remat_switches_and_memory_account(capsys):
