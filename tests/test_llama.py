@@ -1,5 +1,11 @@
 """The Llama-style model: sequence-parallel (8 devices, zigzag / contiguous / striped)
-against the same parameters on one device, and the natural-order target shift."""
+against the same parameters on one device, and the natural-order target shift.
+
+The model runs its blocks as one scan (``scan_layers=True``: XLA compiles one block per
+program, not one per layer, so these programs compile faster); its weights are the
+unrolled model's initialisation stacked (``models.stacking.stack_layers``), so the numbers
+are the unrolled model's.  ``test_scan_layers.py`` checks the two forms against each
+other."""
 
 import dataclasses
 import functools
@@ -12,9 +18,11 @@ from jax.sharding import AxisType
 
 from helpers import assert_close, assert_trees_close, sorted_segments
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss, shift_targets
+from jax_seqpar.models.stacking import stack_layers
 
 B, S = 2, 64
-CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  scan_layers=True)
 TOL = 1e-5
 
 
@@ -41,7 +49,9 @@ def logits_loss_and_grad(model):
 
 @functools.lru_cache(maxsize=None)
 def single_device_params():
-    return jax.jit(Llama(CFG).init)(jax.random.key(0), tokens())
+    unrolled = Llama(dataclasses.replace(CFG, scan_layers=False))
+    return jax.jit(lambda k, t: stack_layers(unrolled.init(k, t)))(jax.random.key(0),
+                                                                     tokens())
 
 
 def compare_with_single_device(model, seg=None, what=""):

@@ -28,11 +28,16 @@
      that ignored them, since within a document global positions differ from restarted
      ones only by a shift).
 
+   The model runs its blocks as one scan (``scan_layers=True``: one block compiled per
+   program) on the unrolled model's initialisation stacked, so the numbers are the
+   unrolled model's (``test_scan_layers.py`` checks the two forms against each other).
+
    What is *not* shown: a real 10^6-token pack on the sequence-parallel model (too large
    for a CPU test); the equivalence (document at a pack offset == document alone at
    shifted positions) is checked at an offset of a few hundred tokens.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -45,8 +50,10 @@ from helpers import assert_close, assert_trees_close, rel_err
 from jax_seqpar.data import pack_documents
 from jax_seqpar.layers.rope import apply_rope, rope_frequencies
 from jax_seqpar.models import Llama, LlamaConfig, next_token_loss
+from jax_seqpar.models.stacking import stack_layers
 
-CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+CFG = LlamaConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  scan_layers=True)
 B, S = 2, 64
 #: Document lengths: 8 documents in 2 rows of 64 with padding; lengths repeat so that the
 #: one-by-one reference compiles once per distinct length; the 1-token document has no
@@ -83,7 +90,9 @@ def packed_batch():
 
 @functools.lru_cache(maxsize=None)
 def params():
-    return jax.jit(Llama(CFG).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    unrolled = Llama(dataclasses.replace(CFG, scan_layers=False))
+    return jax.jit(lambda k, t: stack_layers(unrolled.init(k, t)))(
+        jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
 
 
 def summed_loss(model):
