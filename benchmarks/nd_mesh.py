@@ -79,9 +79,39 @@ def tensor_bytes(par_cls, layers):
 
 
 def _label(sizes) -> str:
+    if sizes is None:
+        return "no mesh (none fits)"
     if not isinstance(sizes, dict):
         return str(sizes)
     return " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1) or "1 device"
+
+
+def _gpu_memory(data) -> float:
+    """The bytes a GPU of the run ``data`` could hold, as its rows' model saw them: recorded
+    by runs since 2026-11-26 (``choose_mesh.memory``); before, an H100 80GB's 81,559 MiB
+    times the run's ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else an H200's 141 GB."""
+    from train_mfu import H200_MEMORY
+    for r in data.get("rows", []):
+        if (r.get("choose_mesh") or {}).get("memory"):
+            return r["choose_mesh"]["memory"]
+    if "H100" in data["env"].get("device_kind", ""):
+        return 81559 * 2 ** 20 * float(data.get("mem_fraction") or 0.75)
+    return H200_MEMORY
+
+
+def _modeled(r, sizes, rows, scan, memory) -> dict:
+    """``choose_mesh``'s numbers for row ``r``'s mesh on GPUs of ``memory`` bytes; where no
+    mesh fits, the numbers without a memory bound and ``pick`` None."""
+    from train_mfu import mesh_choice, predicted_for
+    args = (r["size"], r["G"], r["S"], r["remat"])
+    try:
+        return predicted_for(mesh_choice(*args, rows=rows, scan_layers=scan, memory=memory),
+                             sizes)
+    except ValueError:
+        now = predicted_for(mesh_choice(*args, rows=rows, scan_layers=scan,
+                                        memory=float("inf")), sizes)
+        return dict(now, pick=None, picked=False,
+                    skipped=f"no mesh fits {memory / 1e9:.0f} GB")
 
 
 def report(dirs):
@@ -90,7 +120,6 @@ def report(dirs):
     import json
 
     from jax_seqpar.sharding import parse_mesh_arg
-    from train_mfu import mesh_choice, predicted_for
     groups, gen = {}, []
     for d in dirs:
         for f in sorted(glob.glob(os.path.join(d, "**", "*.json"), recursive=True)):
@@ -102,17 +131,20 @@ def report(dirs):
                 sizes = r["mesh"] if isinstance(r["mesh"], dict) else parse_mesh_arg(r["mesh"])
                 rows = r.get("batch_rows") or (data["config"].get("batch") or 1)
                 scan = bool(data["config"].get("scan_layers"))
-                now = predicted_for(mesh_choice(r["size"], r["G"], r["S"], r["remat"],
-                                                rows=rows, scan_layers=scan), sizes)
-                groups.setdefault((r["size"], r["S"], r["remat"], rows), []).append(
+                memory = _gpu_memory(data)
+                now = _modeled(r, sizes, rows, scan, memory)
+                key = (data["env"].get("device_kind", "?"), memory, r["size"], r["S"],
+                       r["remat"], rows)
+                groups.setdefault(key, []).append(
                     dict(row=r, sizes=sizes, now=now, then=r.get("choose_mesh")))
     out = []
-    for (size, S, remat, rows), items in groups.items():
+    for (kind, memory, size, S, remat, rows), items in groups.items():
         ran = sorted((i for i in items if "error" not in i["row"]),
                      key=lambda i: i["row"]["step_s"])
         best = ran[0]["row"]["step_s"] if ran else None
-        print(f"\n**{size}, {rows} x {S // 1024}k tokens per step, remat {remat}**"
-              f" (choose_mesh now picks {_label(items[0]['now']['pick'])})\n")
+        print(f"\n**{size}, {rows} x {S // 1024}k tokens per step, remat {remat}, "
+              f"{items[0]['row']['G']} x {kind} ({memory / 1e9:.0f} GB each)** "
+              f"(choose_mesh now picks {_label(items[0]['now']['pick'])})\n")
         print("| mesh | step (s) | vs best | MFU | peak (GiB) | model step (s) | "
               "model memory (GiB) | in the run: model GiB, pick |")
         print("|:--|--:|--:|--:|--:|--:|--:|:--|")
@@ -127,7 +159,8 @@ def report(dirs):
                          if then.get("memory_gib") is not None else "")
             print(f"| {_label(i['sizes'])} {pick} {ran_cols}| {now['step_s']:.3g} | "
                   f"{now['memory_gib']:.1f}{fits} | {then_cols} |")
-            out.append(dict(size=size, S=S, remat=remat, rows=rows, mesh=i["sizes"],
+            out.append(dict(device_kind=kind, device_memory=memory, G=r["G"], size=size,
+                            S=S, remat=remat, rows=rows, mesh=i["sizes"],
                             measured=None if "error" in r else dict(
                                 step_s=r["step_s"], mfu=r["mfu"], peak_gib=r["peak_gib"]),
                             error=r.get("error"), model_now=now, model_in_run=then))

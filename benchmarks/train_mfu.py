@@ -269,17 +269,32 @@ def mesh_label(sizes) -> str:
     return "x".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 device"
 
 
+H200_MEMORY = 141e9
+
+
+def device_memory() -> float:
+    """Bytes one GPU of this run may hold (its allocator's ``bytes_limit``: 79 GB on an
+    H100, 141 GB on an H200); an H200's 141 GB where the backend does not say (CPU)."""
+    try:
+        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:
+        limit = None
+    return float(limit) if limit and jax.default_backend() == "gpu" else H200_MEMORY
+
+
 def mesh_choice(size: str, G: int, S: int, remat: str, *, rows: int = 1,
-                dtype: str = "bfloat16", scan_layers: bool = False):
-    """``sharding.choose_mesh`` for one node of ``G`` H200s (NVLink 450 GB/s per device,
-    141 GB, 989 TFLOP/s), ``rows`` sequences of ``S`` tokens, the row's compute dtype with
-    float32 parameters, its remat mode and layer form (as ``build``); offloading is not
-    modeled (its rows are modeled as the mode without it)."""
+                dtype: str = "bfloat16", scan_layers: bool = False,
+                memory: float = H200_MEMORY):
+    """``sharding.choose_mesh`` for one node of ``G`` Hopper GPUs (NVLink 450 GB/s per
+    device, 989 TFLOP/s, ``memory`` bytes each: an H200's by default, the run's own GPUs'
+    in a run), ``rows`` sequences of ``S`` tokens, the row's compute dtype with float32
+    parameters, its remat mode and layer form (as ``build``); offloading is not modeled
+    (its rows are modeled as the mode without it)."""
     mode, _ = parse_remat(remat)
     cfg = LlamaConfig(**SIZES[size], dtype=dtype, param_dtype="float32",
                       scan_layers=scan_layers)
     return choose_mesh(cfg, seq_len=S, global_batch=rows, devices_per_node=G,
-                       intra_link=Link(450e9, 5e-6), device_memory=141e9,
+                       intra_link=Link(450e9, 5e-6), device_memory=memory,
                        device_flops=989e12, remat=mode)
 
 
@@ -304,7 +319,7 @@ def mesh_arg(text: str, size: str, G: int, S: int, remat: str, rows=None,
         return None
     if text == "auto":
         choice = mesh_choice(size, G, S, remat, rows=rows or 1, dtype=dtype,
-                             scan_layers=scan_layers)
+                             scan_layers=scan_layers, memory=device_memory())
         print(f"# --mesh auto for {size} G={G} S={S}: {choice.sizes} ({choice.reason})",
               flush=True)
         return dict(choice.sizes)
@@ -630,6 +645,7 @@ def main(argv=None):
             result["rows"].append(dict(size=size, G=G, S=S, remat=remat, mesh=mesh,
                                        error="skipped: --budget-s spent"))
             continue
+        predicted = None
         try:
             sizes = mesh_arg(mesh, size, G, S, remat, rows=args.batch, dtype=cfg["dtype"],
                              scan_layers=args.scan_layers)
@@ -640,10 +656,17 @@ def main(argv=None):
                 S_row = S // n
             else:
                 S_row = S
-            predicted = None if sizes is None else predicted_for(
-                mesh_choice(size, G, S_row, remat, rows=batch_rows(sizes, args.batch),
-                            dtype=cfg["dtype"], scan_layers=args.scan_layers), sizes)
-            if predicted is not None:
+            if sizes is not None:
+                try:
+                    predicted = predicted_for(mesh_choice(
+                        size, G, S_row, remat, rows=batch_rows(sizes, args.batch),
+                        dtype=cfg["dtype"], scan_layers=args.scan_layers,
+                        memory=device_memory()), sizes)
+                    predicted["memory"] = device_memory()
+                except ValueError as e:  # no mesh fits this GPU's memory
+                    predicted = dict(pick=None, error=str(e), memory=device_memory())
+                    print(f"# choose_mesh for {mesh_label(sizes)}: {e}", flush=True)
+            if predicted is not None and predicted.get("pick") is not None:
                 print(f"# choose_mesh for {mesh_label(sizes)}: modeled "
                       + ("-" if predicted["step_s"] is None else f"{predicted['step_s']:.3g} s")
                       + (f", {predicted['memory_gib']:.1f} GiB"
@@ -662,7 +685,8 @@ def main(argv=None):
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: FAILED {msg}", flush=True)
             result["rows"].append(dict(size=size, G=G, S=S, params_mode=args.params,
-                                       remat=remat, mesh=mesh, error=msg))
+                                       remat=remat, mesh=mesh, error=msg,
+                                       choose_mesh=predicted))
         result["compile_cache"] = compile_cache_stats()
         save_json(result, path)
     table([r for r in result["rows"] if "error" not in r])

@@ -271,3 +271,27 @@ def test_picks_the_measured_best_on_two_h200s(name, seq_len, remat, pick):
     assert all(tensor.step_seconds > c.step_seconds for c in others)
     if name == "7b":
         assert "device_memory" in _find(choice, data=2, fsdp=1, sequence=1, tensor=1).skipped
+
+
+def test_four_h100s_as_measured():
+    """RESULTS.md, "N-D meshes measured", 4 H100s (75.7 GiB the allocator holds), 4 x 32k,
+    scanned, ``attention_mlp``.  1B measured: data 4 1.026 s < data 2 x sequence 2 1.067 <
+    sequence 4 1.137 < tensor 2 x sequence 2 1.142; the 7B ran out of memory on fsdp 4 and
+    on fsdp 2 x sequence 2, and the model holds no mesh for it there."""
+    from jax_seqpar.models import LlamaConfig as Config
+    h100 = dict(H200, device_memory=81559 * 2 ** 20 * 0.95)
+    args = dict(seq_len=32768, global_batch=4, devices_per_node=4, remat="attention_mlp",
+                **h100)
+    one_b = Config(vocab_size=32000, d_model=2048, num_layers=16, num_heads=32,
+                   num_kv_heads=8, ffn_dim=8192, dtype="bfloat16", param_dtype="float32",
+                   scan_layers=True)
+    choice = choose_mesh(one_b, **args)
+    assert choice.sizes == dict(data=4, fsdp=1, sequence=1, tensor=1)
+    order = [_find(choice, data=4, fsdp=1, sequence=1, tensor=1),
+             _find(choice, data=2, fsdp=1, sequence=2, tensor=1),
+             _find(choice, data=1, fsdp=1, sequence=4, tensor=1),
+             _find(choice, data=1, fsdp=1, sequence=2, tensor=2)]
+    assert [c.step_seconds for c in order] == sorted(c.step_seconds for c in order)
+    seven_b = LlamaConfig(**{**vars(M7), "scan_layers": True})
+    with pytest.raises(ValueError, match="device_memory=.* holds no candidate"):
+        choose_mesh(seven_b, **args)
