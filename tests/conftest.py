@@ -78,6 +78,46 @@ import pytest  # noqa: E402
 import helpers  # noqa: E402  (tests/ is on sys.path: pytest "prepend" import mode)
 
 
+# --------------------------------------------------------------------------- memory maps
+# Every program XLA compiles for the CPU keeps its machine code in memory maps of its own,
+# and JAX's caches keep the programs alive.  Linux allows a process vm.max_map_count maps
+# (65,530 by default); the mmap that goes past it fails, and XLA's compiler crashes with a
+# segmentation fault instead of raising.  On JAX 0.12 a program holds about 1.8x the maps
+# it held on 0.11 (test_layouts.py + test_pallas_kernel.py: 16.6k maps against 9.1k), and
+# a worker running half of the suite crossed the limit near its end: the newest-JAX leg's
+# crashes in test_layouts.py and test_pallas_kernel.py (the core file held 65,387 maps;
+# 2026-11-26).  So at the end of each test file a worker past half the limit drops JAX's
+# caches (``jax.clear_caches``: back to about 650 maps), and later files compile afresh.
+# Checked per file, not per test: reading /proc/self/maps costs ~20 ms at 30k maps.
+def _map_count():
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+def _map_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+_MAP_LIMIT = _map_limit()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if _MAP_LIMIT is None or (nextitem is not None and nextitem.path == item.path):
+        return
+    if _map_count() > _MAP_LIMIT // 2:
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_configure(config):
     del config
     n = len(jax.devices())
