@@ -82,12 +82,15 @@ import helpers  # noqa: E402  (tests/ is on sys.path: pytest "prepend" import mo
 # Every program XLA compiles for the CPU keeps its machine code in memory maps of its own,
 # and JAX's caches keep the programs alive.  Linux allows a process vm.max_map_count maps
 # (65,530 by default); the mmap that goes past it fails, and XLA's compiler crashes with a
-# segmentation fault instead of raising.  On JAX 0.12 a program holds about 1.8x the maps
-# it held on 0.11 (test_layouts.py + test_pallas_kernel.py: 16.6k maps against 9.1k), and
-# a worker running half of the suite crossed the limit near its end: the newest-JAX leg's
-# crashes in test_layouts.py and test_pallas_kernel.py (the core file held 65,387 maps;
-# 2026-11-26).  So at the end of each test file a worker past half the limit drops JAX's
-# caches (``jax.clear_caches``: back to about 650 maps), and later files compile afresh.
+# segmentation fault instead of raising.  XLA's newer CPU fusion emitters, the only ones
+# JAX 0.12 has (``_fusion_emitter_flags``), leave more maps per program: test_layouts.py
+# compiles 128 programs on JAX 0.11.2 and 0.12.0.1 alike and ends at 7.0k maps on the
+# first, 12.6k on the second; 0.11.2 with the new emitters leaves as many maps as 0.12.
+# A worker running half of the suite on 0.12 crossed the limit near its end: the
+# newest-JAX leg's crashes in test_layouts.py and test_pallas_kernel.py (the core file
+# held 65,387 maps; 2026-11-26; ``scripts/cpu_program_maps.py`` counts maps per program).
+# So at the end of each test file a worker past half the limit drops JAX's caches
+# (``jax.clear_caches``: back to about 650 maps), and later files compile afresh.
 # Checked per file, not per test: reading /proc/self/maps costs ~20 ms at 30k maps.
 def _map_count():
     try:
