@@ -217,13 +217,19 @@ def test_launch_prefixes_output_and_sets_environment():
 
 
 @pytest.mark.multiprocess
-def test_launch_fails_loudly_when_a_process_fails():
+def test_launch_fails_loudly_when_a_process_fails(tmp_path):
     """Process 1 exits 3 while process 0 would sleep for a minute: the launcher stops
-    process 0 at once, exits 3 and names process 1."""
+    process 0 at once, exits 3 and names process 1.  Process 1 exits only once process 0
+    has said hello (a marker file), else on a loaded machine the launcher may stop
+    process 0 before its first line (1 failure in a full ``make test``, 2026-11-26)."""
+    marker = str(tmp_path / "p0_said_hello")
+    wait = (f"import pathlib; m = pathlib.Path({marker!r}); t = time.monotonic()\n"
+            "while not m.exists() and time.monotonic() - t < 30: time.sleep(0.05)\n")
     t0 = time.monotonic()
     code, out, err = run_launcher(
         "-n", 2, "--", sys.executable, "-c",
-        _CHILD + "sys.exit(3) if p == 1 else time.sleep(60)", timeout=60)
+        _CHILD + f"open({marker!r}, 'w').close() if p == 0 else None\n" + wait
+        + "sys.exit(3) if p == 1 else time.sleep(60)", timeout=60)
     assert code == 3, out + err
     assert "process 1 failed with exit code 3" in err, err
     assert "[p0] hello from 0" in out and "[p1] hello from 1" in out
