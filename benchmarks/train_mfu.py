@@ -273,8 +273,9 @@ H200_MEMORY = 141e9
 
 
 def device_memory() -> float:
-    """Bytes one GPU of this run may hold (its allocator's ``bytes_limit``: 79 GB on an
-    H100, 141 GB on an H200); an H200's 141 GB where the backend does not say (CPU)."""
+    """Bytes one GPU of this run may hold: its allocator's ``bytes_limit`` (81 GB on an
+    H100 80GB at this script's 95% memory fraction); an H200's 141 GB where the backend
+    does not say (CPU)."""
     try:
         limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     except Exception:
@@ -657,14 +658,15 @@ def main(argv=None):
             else:
                 S_row = S
             if sizes is not None:
+                memory = device_memory()
                 try:
                     predicted = predicted_for(mesh_choice(
                         size, G, S_row, remat, rows=batch_rows(sizes, args.batch),
                         dtype=cfg["dtype"], scan_layers=args.scan_layers,
-                        memory=device_memory()), sizes)
-                    predicted["memory"] = device_memory()
+                        memory=memory), sizes)
+                    predicted["memory"] = memory
                 except ValueError as e:  # no mesh fits this GPU's memory
-                    predicted = dict(pick=None, error=str(e), memory=device_memory())
+                    predicted = dict(pick=None, error=str(e), memory=memory)
                     print(f"# choose_mesh for {mesh_label(sizes)}: {e}", flush=True)
             if predicted is not None and predicted.get("pick") is not None:
                 print(f"# choose_mesh for {mesh_label(sizes)}: modeled "
