@@ -129,7 +129,6 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
         "fwd_kv64_s4": dataclasses.replace(cfg, block_kv=64, num_stages=4),
         "dq_kv64_fwd_kv64_s4": dataclasses.replace(cfg, block_kv_dq=64, block_kv=64,
                                                    num_stages=4),
-        "late_mask": dataclasses.replace(cfg, early_mask=False),
     }
     variants = {n: every[n] for n in names}
     for name, c in variants.items():
@@ -202,7 +201,7 @@ def breakdown(S, names, rounds, sustained_ms=0.0, profile=False, device_rounds=0
 
 
 VARIANTS = ["two_kernel_dq", "split_dq", "overlap_bwd", "no_overlap", "dq_kv64", "fwd_kv64_s4",
-            "dq_kv64_fwd_kv64_s4", "late_mask"]
+            "dq_kv64_fwd_kv64_s4"]
 
 
 def main():

@@ -13,7 +13,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 import numpy as np
 import pytest
 from jax.sharding import AxisType
@@ -178,65 +177,6 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
             *pos, *segs)
         # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
-
-
-def _sub_jaxprs(eqn):
-    for v in eqn.params.values():
-        for x in v if isinstance(v, (tuple, list)) else [v]:
-            if isinstance(x, jex_core.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jex_core.Jaxpr):
-                yield x
-
-
-def _events(jaxpr):
-    """In program order: "L" for a load of int32 positions or ids, "W" for an issued
-    wgmma, "loop" for a nested while loop (one entry, not expanded)."""
-    out = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "while":
-            out.append("loop")
-        elif e.primitive.name == "load" and e.outvars[0].aval.dtype == jnp.int32:
-            out.append("L")
-        elif e.primitive.name == "wgmma_ref":
-            out.append("W")
-        else:
-            for sub in _sub_jaxprs(e):
-                out += _events(sub)
-    return out
-
-
-def _masked_loop_bodies(jaxpr):
-    """The event lists of the innermost loops whose steps load positions or ids."""
-    found = []
-    for e in jaxpr.eqns:
-        for sub in _sub_jaxprs(e):
-            found += _masked_loop_bodies(sub)
-        if e.primitive.name == "while":
-            ev = _events(e.params["body_jaxpr"].jaxpr)
-            if "L" in ev and "loop" not in ev:
-                found.append(ev)
-    return found
-
-
-def test_backward_loads_mask_inputs_before_the_products():
-    """``early_mask``: in every masked tile loop of the backward's two kernels (packed
-    documents, D 128's two-kernel default), a tile's position and segment-id loads come
-    before its first wgmma; with ``early_mask=False`` after one."""
-    q, kv = SDS((1, 512, 2, 128), BF16), SDS((1, 384, 2, 128), BF16)
-    pos = [SDS((512,), jnp.int32), SDS((384,), jnp.int32)]
-    segs = [SDS((1, 512), jnp.int32), SDS((1, 384), jnp.int32)]
-    lse = SDS((1, 2, 512), jnp.float32)
-    for early in (True, False):
-        c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], early_mask=early)
-        jaxpr = jax.make_jaxpr(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
-            q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=c))(
-            q, kv, kv, q, lse, q, *pos, *segs)
-        bodies = _masked_loop_bodies(jaxpr.jaxpr)
-        assert len(bodies) == 2  # the dK/dV kernel's masked loop and the dQ kernel's
-        for ev in bodies:
-            loads_first = ev.index("W") > max(i for i, x in enumerate(ev) if x == "L")
-            assert loads_first == early, (early, ev)
 
 
 # --------------------------------------------------------------------------- index tiles

@@ -105,20 +105,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
-            def mask_inputs(t):
-                """What tile ``t``'s mask reads: its query positions and ids."""
+            def mask_scores(s, t):
+                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``."""
                 start = tbl_ref[b, blk, t + 2] * bq
                 qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
                 qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg else None
-                return qpos, qseg
-
-            def early_inputs(t, masked_tile):
-                """``early_mask``: the mask's loads issued before the tile's products."""
-                return mask_inputs(t) if masked_tile and config.early_mask else None
-
-            def mask_scores(s, t, inputs=None):
-                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``."""
-                qpos, qseg = mask_inputs(t) if inputs is None else inputs
                 ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
@@ -126,7 +117,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
-                inputs = early_inputs(t, masked_tile)
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
@@ -139,7 +129,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     lse = _load(lse_smem.at[slot], COL, gmem=False)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
                     if masked_tile:
-                        s = mask_scores(s, t, inputs)
+                        s = mask_scores(s, t)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
@@ -157,7 +147,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             def probs_t(t, slot, masked_tile):
                 """``P^T`` of tile ``t`` from ``S^T = K Q^T`` issued alone, once its dO
                 block has landed too (the serial steps' shared first half)."""
-                inputs = early_inputs(t, masked_tile)
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def st(acc_ref):
@@ -167,7 +156,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
                 if masked_tile:
-                    s = mask_scores(s, t, inputs)
+                    s = mask_scores(s, t)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
                 return p
@@ -396,7 +385,6 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 # S and dP issued together; P formed while dP runs
                 slot = lax.rem(t, jnp.int32(stages))
                 zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
-                inputs = early_inputs(t, masked_tile)
 
                 def body(refs):
                     dq_ref_, s_ref, dp_ref = refs
@@ -405,7 +393,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.wgmma(dp_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S done
-                    ok = visible(t, inputs) if masked_tile else None
+                    ok = visible(t) if masked_tile else None
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -418,21 +406,12 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq
 
-            def mask_inputs(t):
-                """What tile ``t``'s mask reads: its first key, key positions and ids."""
+            def visible(t):
+                """The tile's mask (or None) from global positions, ids, padded keys."""
                 start = tbl_ref[b, cta, t + 2] * bk
+                shape = (bq, bk)
                 kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
                 kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None)
-                return start, kpos, kseg
-
-            def early_inputs(t, masked_tile):
-                """``early_mask``: the mask's loads issued before the tile's products."""
-                return mask_inputs(t) if masked_tile and config.early_mask else None
-
-            def visible(t, inputs=None):
-                """The tile's mask (or None) from global positions, ids, padded keys."""
-                start, kpos, kseg = mask_inputs(t) if inputs is None else inputs
-                shape = (bq, bk)
                 pad = None
                 if pad_keys:
                     col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
@@ -443,14 +422,13 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 if config.overlap_bwd:
                     return step_overlap(t, dq, masked_tile)
                 slot = lax.rem(t, jnp.int32(stages))
-                inputs = early_inputs(t, masked_tile)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def s_fn(acc_ref):
                     plgpu.wgmma(acc_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
-                ok = visible(t, inputs) if masked_tile else None
+                ok = visible(t) if masked_tile else None
                 if ok is not None:
                     s = jnp.where(ok, s, -jnp.inf)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))

@@ -25,7 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free", "dv_with_dp", "early_mask")
+               "named_sched", "named_free", "dv_with_dp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +75,7 @@ class MgpuConfig:
     instead of arriving on a shared-memory barrier.  (The same in the backward's two
     kernels measured no gain, 0 to -1.8%: RESULTS.md; they keep their barriers.)  Both
     named-barrier fields need Mosaic GPU's inline PTX (JAX >= 0.11); older JAX takes the
-    shared-memory barriers.  ``early_mask`` (backward): a masked tile's positions and
-    segment ids are loaded from global memory before the tile's products are issued, so
-    their latency overlaps the products, as the forward's are; False loads them once the
-    scores they mask exist.
+    shared-memory barriers.
     """
 
     block_q: int = 64
@@ -96,7 +93,6 @@ class MgpuConfig:
     named_sched: bool = True
     named_free: bool = True
     dv_with_dp: bool = False
-    early_mask: bool = True
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
