@@ -181,7 +181,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 inputs = mask_inputs(t) if masked_tile else None
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
                     let_other_go() if named else rendezvous()
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))

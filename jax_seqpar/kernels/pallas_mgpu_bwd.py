@@ -123,8 +123,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 def body(refs):
                     dv_ref, dk_ref, s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(s_ref, kw, q_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
                     plgpu.barrier_wait(lse_ready.at[slot])
                     lse = _load(lse_smem.at[slot], COL, gmem=False)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
@@ -150,7 +150,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def st(acc_ref):
-                    plgpu.wgmma(acc_ref, kw, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, kw, q_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
                 plgpu.barrier_wait(lse_ready.at[slot])
@@ -171,7 +171,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 def body(refs):
                     dv_ref, dk_ref, dp_ref = refs
-                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], COL, gmem=False)
@@ -197,7 +197,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dp_ref, vw, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
                 dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(do_free.at[slot])
@@ -236,7 +236,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     terms = ([(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
                              if split_dq else [(ds_smem.at[wg], kw)])
                     for ds_t, k_part in terms:
-                        plgpu.wgmma(dq_ref_, plgpu.transpose_ref(ds_t, (1, 0)), k_part)
+                        plgpu.wgmma(dq_ref_, ds_t.transpose((1, 0)), k_part)
                 dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
                 # the previous block's reduce-add must have read dqw before it is rewritten
@@ -389,9 +389,9 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 def body(refs):
                     dq_ref_, s_ref, dp_ref = refs
                     plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.wgmma(s_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(s_ref, qw, k_smem.at[slot].transpose((1, 0)))
                     plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(dp_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, dow, v_smem.at[slot].transpose((1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S done
                     ok = visible(t) if masked_tile else None
                     if ok is not None:
@@ -425,7 +425,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def s_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, qw, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, qw, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
                 ok = visible(t) if masked_tile else None
@@ -435,7 +435,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, dow, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, dow, v_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(v_free.at[slot])
