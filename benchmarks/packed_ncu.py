@@ -14,7 +14,6 @@ of the second call (``--launch-skip 3 --launch-count 3``: forward, dK/dV, dQ).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import _setup  # noqa: F401
 
@@ -22,8 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_seqpar.kernels import PallasMgpuKernel  # noqa: E402
-from jax_seqpar.kernels.pallas_mgpu_common import DEFAULT_MGPU_CONFIGS  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
+from kernels import parse_mgpu_variant  # noqa: E402
 from packed import lognormal_lengths, packed_ids  # noqa: E402
 
 
@@ -32,7 +31,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=16384)
     p.add_argument("--dense", action="store_true", help="no segment ids (dense causal)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="an MgpuConfig field of the per-head-dim default to replace")
+                   help="an MgpuConfig field to replace (kernels.py's --mgpu-variant)")
     a = p.parse_args(argv)
     S, H, D = a.seq, 16, 128
     ks = jax.random.split(jax.random.PRNGKey(S), 4)
@@ -40,12 +39,8 @@ def main(argv=None):
     seg = None if a.dense else jnp.asarray(
         packed_ids(lognormal_lengths(4096, S, seed=S + 4096), S)[None])
     pos = jnp.arange(S, dtype=jnp.int32)
-    over = {}
-    for item in a.set:
-        name, _, val = item.partition("=")
-        over[name] = val.lower() == "true" if val.lower() in ("true", "false") else int(val)
-    kern = PallasMgpuKernel(config=dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], **over)
-                            if over else None)
+    # the backend as it runs (the tuned table's config), or with --set fields replaced
+    kern = parse_mgpu_variant("set:" + ",".join(a.set))[1] if a.set else PallasMgpuKernel()
     mask = MaskSpec(causal=True)
 
     @jax.jit
