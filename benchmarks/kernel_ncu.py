@@ -30,7 +30,7 @@ from kernels import parse_mgpu_variant  # noqa: E402
 from packed import lognormal_lengths, packed_ids  # noqa: E402
 
 
-def calls_per_run(fwd_only: bool) -> int:
+def kernels_per_call(fwd_only: bool) -> int:
     """Kernels one call launches (what ``kernel_ncu.sh`` skips, then keeps)."""
     return 1 if fwd_only else 3
 
@@ -47,7 +47,7 @@ def main(argv=None):
                    help="print how many kernels one call launches, and exit")
     a = p.parse_args(argv)
     if a.kernels_per_call:
-        print(calls_per_run(a.fwd_only))
+        print(kernels_per_call(a.fwd_only))
         return
     if a.backend == "tokamax" and (a.mask == "packed" or a.set):
         p.error("--backend tokamax takes neither --mask packed nor --set")
