@@ -200,6 +200,62 @@ def test_ring_on_cudnn_matches_reference(fake_gpu, G, Hq, Hkv, causal, layout, b
         assert ("fwd", True) in kinds and ("bwd", True) in kinds
 
 
+@pytest.mark.parametrize("G,layout,whole", [(1, "contiguous", True), (2, "contiguous", True),
+                                            (2, "zigzag", False)])
+def test_own_block_reaches_cudnn_whole_under_contiguous(fake_gpu, G, layout, whole):
+    """cuDNN skips a causal tile's masked blocks itself (``skips_masked_blocks``): under
+    the contiguous layout a device's own block reaches it as one aligned tile; under
+    zigzag the block is two chunks far apart, so it gets the causal halves."""
+    B, S, H, D = 1, 48, 2, 16
+    q, k, v = helpers.make_qkv(11, B=B, S=S, Hq=H, Hkv=H, D=D, dtype=BF16)
+    do = helpers.make_cotangent(11, q.shape, BF16)
+    out, grads = _ring_grad(G, True, layout, "kv", None)(q, k, v, do)
+    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=True)
+    helpers.assert_close(out, ref_out, 2e-2, "out")
+    for g, r in zip(grads, ref_grads):
+        helpers.assert_close(g, r, 2e-2, "grad")
+    T = S // G
+    side = T if whole else T // 2
+    assert sorted({(kind, tq, tk) for kind, causal, tq, tk in fake_gpu if causal}) == [
+        ("bwd", side, side), ("fwd", side, side)]
+
+
+class _Recording(XlaKernel):
+    """The xla kernel, recording the query and key lengths of its causal forward calls;
+    ``skips_masked_blocks`` as the subclass says."""
+
+    def fwd(self, q, k, v, q_pos, kv_pos, mask, scale, q_seg=None, kv_seg=None):
+        if not mask.is_dense:
+            _RECORDED.append((self.skips_masked_blocks, q.shape[1], k.shape[1]))
+        return super().fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg)
+
+
+class _Skips(_Recording):
+    skips_masked_blocks = True
+
+
+class _Branches(_Recording):
+    skips_masked_blocks = False  # as the xla kernel: one lax.cond per key block
+
+
+_RECORDED = []
+
+
+@pytest.mark.parametrize("kernel", [_Skips(), _Branches()])
+def test_own_block_is_split_only_for_backends_that_branch_per_block(kernel):
+    """One device, causal, contiguous: a backend with ``skips_masked_blocks`` runs the
+    block as one call; one without (the xla kernel tests each key block with a
+    ``lax.cond``) gets the halves, which spare it the masked quarter."""
+    S = 40
+    q, k, v = helpers.make_qkv(12, B=1, S=S, Hq=2, Hkv=2, D=8)
+    _RECORDED.clear()
+    out = jsp.attention(q, k, v, mesh=helpers.make_mesh(1), causal=True, kernel=kernel)
+    helpers.assert_close(out, helpers.reference_fwd_bwd(q, k, v, q, causal=True)[0], 1e-5,
+                         "out")
+    whole = kernel.skips_masked_blocks
+    assert _RECORDED == ([(True, S, S)] if whole else [(False, S // 2, S // 2)] * 2)
+
+
 def test_ring_window_on_contiguous_diagonal(fake_gpu):
     """One device, a causal window: the whole block is an aligned tile with a band."""
     q, k, v = helpers.make_qkv(5, B=1, S=48, Hq=2, Hkv=2, D=16, dtype=BF16)

@@ -31,7 +31,11 @@ flash-attn-jax) could otherwise serve nothing but unmasked tiles:
 ``KernelRequest.tile`` carries the kind; a backend that reads the kind from its calls
 sets ``tile_aware = True`` and receives ``tile=`` in ``fwd``/``bwd``.  A backend whose
 backward needs ``o`` (it cannot take ``delta`` alone) sets ``needs_o = True``;
-``KernelRequest.bwd_has_o`` says whether the caller will pass ``o``.
+``KernelRequest.bwd_has_o`` says whether the caller will pass ``o``.  A backend that
+skips the masked key blocks of a causal tile inside the kernel at no cost per block (no
+``lax.cond`` waiting for a predicate) sets ``skips_masked_blocks = True``: a strategy
+then hands it a device's whole causal block as one aligned tile rather than as the
+block's causal halves (``parallel/pairs.py``).
 
 A backend that cannot honour a request raises ``NotImplementedError`` saying why;
 ``kernel="auto"`` picks, per tile kind, the first backend of ``AUTO_ORDER`` (measured

@@ -86,6 +86,7 @@ class CudnnKernel:
     name: str = "cudnn"
     tile_aware = True   # receives tile= in fwd/bwd
     needs_o = True      # its backward takes o, not delta
+    skips_masked_blocks = True  # a causal tile costs half a dense one, no per-block branch
 
     def check(self, request: KernelRequest) -> None:
         if request.platform != "gpu":

@@ -124,6 +124,7 @@ class FlashAttnKernel:
     name: str = "flash_attn"
     tile_aware = True   # receives tile= in fwd/bwd
     needs_o = True      # FlashAttention's backward derives delta from o
+    skips_masked_blocks = True  # its causal kernels stop at the diagonal
 
     def available(self) -> None:
         """Raise ``NotImplementedError`` unless flash-attn-jax imports."""

@@ -135,6 +135,7 @@ class PallasKernel:
     config: Optional[PallasConfig] = None
     interpret: Optional[bool] = None
     name: str = "pallas"
+    skips_masked_blocks = True  # visits only the key blocks its tile lists name
 
     def __post_init__(self):
         if self.config is not None and not isinstance(self.config, PallasConfig):

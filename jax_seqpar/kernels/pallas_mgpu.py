@@ -397,6 +397,7 @@ class PallasMgpuKernel:
     tuned: bool = True
     name: str = "pallas_mgpu"
     tile_aware = True   # receives tile= in fwd/bwd (the tuning table's key)
+    skips_masked_blocks = True  # visits only the key blocks its tile lists name
 
     def __post_init__(self):
         if self.config is not None and not isinstance(self.config, MgpuConfig):

@@ -111,6 +111,13 @@ class TileKernels:
         """Whether some chosen backend's backward needs the forward output ``o``."""
         return any(bool(getattr(k, "needs_o", False)) for k in self.kernels)
 
+    @property
+    def skips_masked_blocks(self) -> bool:
+        """Whether the backend of aligned tiles skips a causal tile's masked key blocks
+        inside the kernel (``base.py``); False when aligned tiles are refused."""
+        kern = self._chosen.get(TILE_ALIGNED)
+        return bool(getattr(kern, "skips_masked_blocks", False))
+
     def check(self, request: KernelRequest) -> None:
         self.kernel_for(request.tile).check(request)
 

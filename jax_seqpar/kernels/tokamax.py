@@ -118,6 +118,7 @@ class TokamaxKernel:
     name: str = "tokamax"
     tile_aware = True   # receives tile= in fwd/bwd
     needs_o = True      # its backward takes o, not delta
+    skips_masked_blocks = True  # its causal kernels stop at the diagonal
 
     @property
     def supports_check_vma(self) -> bool:

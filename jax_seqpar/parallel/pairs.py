@@ -13,9 +13,12 @@ Eq. 12):
   the first key chunk only; if ``j > i`` only the second query chunk sees, and it sees
   both key chunks.  Half the work either way, with static shapes.
 
-* the same device (both layouts, without segment ids): the halves ``a`` (earlier
-  positions) and ``b`` of the block give a causal ``a x a``, a mask-free ``b x a`` and a
-  causal ``b x b``; ``a x b`` is masked and never visited.
+* the same device (without segment ids): the halves ``a`` (earlier positions) and ``b``
+  of the block give a causal ``a x a``, a mask-free ``b x a`` and a causal ``b x b``;
+  ``a x b`` is masked and never visited.  Under the contiguous layout the whole block is
+  one aligned tile, and a backend that skips masked key blocks inside the kernel
+  (``skips_masked_blocks``: cuDNN, the Pallas kernels) gets it as one call instead: the
+  halves would only add their merges, sums, copies and two launches of half the length.
 
 This matters wherever a per-tile ``cond`` is expensive (on GPUs each one waits for its
 predicate): the mask-free calls have none.  Segment ids are still applied.
@@ -90,14 +93,27 @@ def _zigzag_share(cfg, q_seg, qs, kv_seg, ks):
     return shares_document(_seg(q_seg, qs), _seg(kv_seg, ks))
 
 
-def _whole_own(q_seg, half) -> bool:
+def _whole_own(cfg, q_seg, half) -> bool:
     """Whether a device's own block runs as one kernel call rather than as its causal
-    halves: with segment ids (not under selective checkpointing's halves).  The halves
-    exist to hand backends that read no positions (cuDNN) aligned and mask-free tiles;
-    segment ids need a backend that reads ids and positions (cuDNN and flash-attn refuse
-    them), whose tile lists skip the masked quarter and the tiles between documents
-    themselves, so one call saves the halves' merges, sums and copies."""
-    return q_seg is not None and half is None
+    halves (never under selective checkpointing's halves).  The halves exist to hand
+    backends that read no positions (cuDNN) aligned and mask-free tiles, and to spare
+    a backend that tests each key block with a ``cond`` (xla) the masked quarter.
+
+    * With segment ids: they need a backend that reads ids and positions (cuDNN and
+      flash-attn refuse them), whose tile lists skip the masked quarter and the tiles
+      between documents themselves, so one call saves the halves' merges, sums and
+      copies.
+    * Contiguous layout, a backend that skips masked blocks itself
+      (``skips_masked_blocks``): the block is one aligned tile.  On one H100 the halves
+      cost cuDNN 15% at 16 rows of 4096 tokens (RESULTS.md, "Packed documents against
+      the same documents as a batch")."""
+    if half is not None:
+        return False
+    return q_seg is not None or (cfg.layout == "contiguous" and _skips_masked_blocks(cfg))
+
+
+def _skips_masked_blocks(cfg) -> bool:
+    return bool(getattr(cfg.kernel, "skips_masked_blocks", False))
 
 
 def _general_aligned(cfg, same: bool) -> bool:
@@ -178,7 +194,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
                                 tile=_tile(mask, aligned))
         return o.astype(F32), lse  # backends may return o in the input dtype
 
-    if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(q_seg, half))):
+    if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(cfg, q_seg, half))):
         aligned = _general_aligned(cfg, same) and half is None
         return _general(cfg, q_pos, kv_pos, empty,
                         lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, aligned),
@@ -270,7 +286,7 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
         return None if o is None else o[:, sl]
 
     T = q.shape[1]
-    if not _structured(cfg) or (same and (T % 2 or _whole_own(q_seg, None))):
+    if not _structured(cfg) or (same and (T % 2 or _whole_own(cfg, q_seg, None))):
         return _general(cfg, q_pos, kv_pos, zeros, lambda: call(
             q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, o,
             _general_aligned(cfg, same)), None if same else _pair_share(cfg, q_seg, kv_seg),
