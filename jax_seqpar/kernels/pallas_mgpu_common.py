@@ -264,17 +264,27 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
     ``extra`` condition (padded keys) conjoined last.  The mask of the contract: keys ``j``
     with ``left <= q - j`` ... as ``MaskSpec.right_limit`` / ``left_limit`` say.
     ``diff``: the tile's key minus query positions, given whole (computed from indices
-    on aligned tiles) instead of ``q_pos`` and ``k_pos``."""
+    on aligned tiles) instead of ``q_pos`` and ``k_pos``.
+
+    From the row vectors, ``k - q <= r`` is evaluated as ``k <= q + r`` (and the left
+    limit likewise), the limit added to the short query vector: one comparison per score
+    where the difference cost a subtraction as well (positions are far from int32's
+    limits, so neither form overflows)."""
     from jax import lax
     k_axis = 1 - q_axis
     along = lambda x, axis: lax.broadcast_in_dim(x, shape, [axis])  # noqa: E731
-    if diff is None and (mask.right_limit is not None or mask.left_limit is not None):
-        diff = along(k_pos, k_axis) - along(q_pos, q_axis)
     terms = []
-    if mask.right_limit is not None:
-        terms.append(diff <= mask.right_limit)
-    if mask.left_limit is not None:
-        terms.append(diff >= -mask.left_limit)
+    if diff is None:
+        kb = None if k_pos is None else along(k_pos, k_axis)
+        if mask.right_limit is not None:
+            terms.append(kb <= along(q_pos + mask.right_limit, q_axis))
+        if mask.left_limit is not None:
+            terms.append(kb >= along(q_pos - mask.left_limit, q_axis))
+    else:
+        if mask.right_limit is not None:
+            terms.append(diff <= mask.right_limit)
+        if mask.left_limit is not None:
+            terms.append(diff >= -mask.left_limit)
     if q_seg is not None:
         terms.append(along(q_seg, q_axis) == along(k_seg, k_axis))
     if extra is not None:
