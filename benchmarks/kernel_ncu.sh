@@ -19,10 +19,19 @@ if [ -z "$NCU" ]; then
   exit 2
 fi
 n=$(python kernel_ncu.py --kernels-per-call "$@" 2>/dev/null | tail -1)
-read -r -a sections <<< "${SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats}"
+default="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+if [ "${MIX:-0}" = 1 ]; then
+  default="--metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum,sm__cycles_active.avg,gpu__time_duration.sum"
+fi
+read -r -a sections <<< "${SECTIONS:-$default}"
 timeout "${NCU_S:-240}" "$NCU" --target-processes all -k regex:mosaic_gpu_kernel \
     --launch-skip "$n" --launch-count "$n" "${sections[@]}" -f -o "$OUT/ncu_$name" \
     python kernel_ncu.py "$@" 2>&1 | tail -3
-"$NCU" --import "$OUT/ncu_$name.ncu-rep" --page details --print-units base \
-    > "$OUT/ncu_$name.txt" 2>&1 || true
+if [ "${MIX:-0}" = 1 ]; then
+  "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page raw --csv --print-units base \
+      --print-metric-instances details > "$OUT/mix_$name.csv" 2>&1 || true
+else
+  "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page details --print-units base \
+      > "$OUT/ncu_$name.txt" 2>&1 || true
+fi
 rm -f "$OUT/ncu_$name.ncu-rep"

@@ -1,0 +1,199 @@
+"""Packed documents against the same documents as a batch (issue 41's packed bar).
+
+The bar of issue 41 compares the packed call's useful rate (documents around 4k tokens
+in a 64k row) with cuDNN's rate on one unpacked 64k causal sequence.  Documents of 4k
+are much shorter rows than 64k: each query block sees ~25 key blocks instead of ~256.
+This script measures what the same documents cost when a caller does not pack them but
+batches them, one document per row, all of one length ``L``:
+
+* ``cudnn one row``: ``jax.nn.dot_product_attention(implementation="cudnn")``, causal, one
+  row of ``S`` tokens (the bar's denominator);
+* ``packed``: ``jax_seqpar.attention`` (``kernel="auto"``, one-device mesh) on one row
+  of ``S / L`` documents of ``L`` tokens with segment ids;
+* ``batch cudnn``: cuDNN, causal, ``S / L`` rows of ``L`` tokens: the same useful work,
+  what a user with equal documents would run instead;
+* ``batch ours``: ``jax_seqpar.attention`` on the same batch, no segment ids;
+* ``packed lognormal``: the bar's own case (log-normal lengths around ``L``, as
+  ``packed.py``), for reference.
+
+First (``--check``, on by default) the one-device calls it times are checked against the
+float32 reference (``jax_seqpar.reference``) at a small shape, D 64 and 128, budget 2e-2:
+``jax_seqpar.attention`` through ``auto`` and through ``pallas_mgpu`` (on Hopper), with and
+without segment ids.  Then causal forward + backward, H 16, D 128, bf16.  Useful FLOPs
+``3.5 * 2 * H * D * sum(L^2)`` (``packed.py``'s convention).  Wall clock over
+``--rounds`` rounds and the device clock over ``--device-rounds``
+(``_profile.device_rounds``), both in a fresh order each round; rates as a share of
+``cudnn one row``'s.
+
+    python benchmarks/packed_batch.py                       # one H100/H200, ~3 minutes
+    python benchmarks/packed_batch.py --dry-run             # CPU, tiny, xla kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import _setup  # noqa: F401
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_seqpar as jsp  # noqa: E402
+from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
+from _profile import device_rounds  # noqa: E402
+from _util import env_info, out_dir, round_order, save_json  # noqa: E402
+from packed import lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
+
+
+def _ours(mesh, kernel, with_seg):
+    def fb(q, k, v, do, seg):
+        def f(q, k, v):
+            return jsp.attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
+                                 segment_ids=seg if with_seg else None)
+        return jax.vjp(f, q, k, v)[1](do)
+    return jax.jit(fb)
+
+
+def _cudnn():
+    def fb(q, k, v, do, seg):
+        f = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation="cudnn")
+        return jax.vjp(f, q, k, v)[1](do)
+    return jax.jit(fb)
+
+
+def _inputs(seed, B, S, H, D, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return tuple(jax.random.normal(kk, (B, S, H, D), dtype) for kk in ks)
+
+
+def check(on_gpu, kernels) -> bool:
+    """The one-device calls against the float32 reference; prints one line per case."""
+    from jax_seqpar.reference import reference_attention
+    mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
+    B, S, H = 2, (1024 if on_gpu else 128), 4
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    ok = True
+    for D in (64, 128):
+        q, k, v, do = _inputs(D, B, S, H, D, dtype)
+        lens = [S // 8, S // 2, S - S // 8 - S // 2]
+        for with_seg in (False, True):
+            seg = jnp.asarray(segments_from_lengths(lens, S)[0][None].repeat(B, 0))
+            seg_arg = seg if with_seg else None
+
+            def ref(q, k, v):
+                return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), causal=True,
+                                           segment_ids=seg_arg)[0]
+            r_out, r_vjp = jax.vjp(ref, q, k, v)
+            r_grads = r_vjp(do.astype(jnp.float32))
+            for kernel in kernels:
+                def f(q, k, v):
+                    return jsp.attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
+                                         segment_ids=seg_arg)
+                out, vjp = jax.vjp(f, q, k, v)
+                errs = [_rel(a, b) for a, b in zip((out, *vjp(do)), (r_out, *r_grads))]
+                good = max(errs) <= 2e-2
+                ok &= good
+                print(f"check D={D:3d} {'segments' if with_seg else 'causal  '} {kernel:12s} "
+                      + " ".join(f"{n} {e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
+                      + (" ok" if good else " FAIL"), flush=True)
+    return ok
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=65536)
+    p.add_argument("--doc-lens", default="4096,1024,16384",
+                   help="document lengths, comma-separated (each divides --seq)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--device-rounds", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (xla kernel)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the check against the float32 reference")
+    a = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    checked = True
+    if a.check:
+        from jax_seqpar.kernels.pallas_mgpu import is_hopper
+        kernels = ("auto", "pallas_mgpu") if on_gpu and is_hopper() else ("auto",)
+        checked = check(on_gpu, kernels)
+    if a.dry_run:
+        a.seq, a.doc_lens, a.rounds, a.device_rounds = 512, "128,64", 2, 0
+    S, (H, D) = a.seq, ((2, 32) if a.dry_run else (16, 128))
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    doc_lens = [int(x) for x in a.doc_lens.split(",")]
+    for L in doc_lens:
+        if S % L:
+            p.error(f"--doc-lens: {L} does not divide --seq {S}")
+    mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
+    kernel = "auto" if on_gpu else "xla"
+    dense = _cudnn() if on_gpu else _ours(mesh, kernel, False)
+    full = 3.5 * 2 * H * D * float(S) ** 2
+    one = _inputs(0, 1, S, H, D, dtype)
+    calls = {"cudnn one row": (dense, (*one, None), full)}
+    for L in doc_lens:
+        n = S // L
+        seg = jnp.asarray(segments_from_lengths([L] * n, S)[0][None])
+        useful = 3.5 * 2 * H * D * n * float(L) ** 2
+        batch = _inputs(L, n, L, H, D, dtype)
+        calls[f"packed L{L}"] = (_ours(mesh, kernel, True), (*one, seg), useful)
+        if on_gpu:
+            calls[f"batch cudnn L{L}"] = (_cudnn(), (*batch, None), useful)
+        calls[f"batch ours L{L}"] = (_ours(mesh, kernel, False), (*batch, None), useful)
+        lens = lognormal_lengths(L, S, seed=S + L)
+        seg_ln = jnp.asarray(packed_ids(lens, S)[None])
+        calls[f"packed lognormal L{L}"] = (_ours(mesh, kernel, True), (*one, seg_ln),
+                                           3.5 * 2 * H * D * useful_pairs(np.asarray(seg_ln[0])))
+    for name, (fn, args, _) in calls.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+        print(f"  warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    names = list(calls)
+    ts = {n: [] for n in names}
+    for r in range(a.rounds):
+        for n in round_order(names, r, seed=S):
+            fn, args, _ = calls[n]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts[n].append(time.perf_counter() - t0)
+    dev = device_rounds({n: (c[0], c[1]) for n, c in calls.items()}, a.device_rounds,
+                        seed=S)
+    base = "cudnn one row"
+    rows = []
+    for n in names:
+        useful = calls[n][2]
+        t = np.array(ts[n])
+        row = dict(name=n, ms=1e3 * float(np.median(t)),
+                   useful_tflops=useful / float(np.median(t)) / 1e12,
+                   of_cudnn_row_wall=float(np.median((useful / t) / (full / np.array(ts[base])))))
+        if n in dev and base in dev:
+            row["device_ms"] = dev[n]
+            row["useful_tflops_device"] = useful / (dev[n] / 1e3) / 1e12
+            row["of_cudnn_row_device"] = (useful / dev[n]) / (full / dev[base])
+        rows.append(row)
+        print(f"{n:24s} {row['ms']:8.2f} ms {row['useful_tflops']:6.1f} TFLOP/s "
+              f"{100 * row['of_cudnn_row_wall']:5.1f}% of cuDNN one row (wall)"
+              + (f"  device {row['device_ms']:8.2f} ms "
+                 f"{100 * row['of_cudnn_row_device']:5.1f}%" if "device_ms" in row else ""),
+              flush=True)
+    path = os.path.join(out_dir(), "packed_batch.json")
+    save_json(dict(env=env_info(), seq=S, heads=H, head_dim=D, rounds=a.rounds,
+                   device_rounds=a.device_rounds, checked=checked if a.check else None,
+                   rows=rows), path)
+    print(f"wrote {path}")
+    if not checked:
+        raise SystemExit("a check failed (see the 'check' lines above)")
+
+
+if __name__ == "__main__":
+    main()
