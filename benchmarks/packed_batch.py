@@ -23,7 +23,8 @@ without segment ids.  Then causal forward + backward, H 16, D 128, bf16.  Useful
 ``3.5 * 2 * H * D * sum(L^2)`` (``packed.py``'s convention).  Wall clock over
 ``--rounds`` rounds and the device clock over ``--device-rounds``
 (``_profile.device_rounds``), both in a fresh order each round; rates as a share of
-``cudnn one row``'s.
+``cudnn one row``'s.  ``--profile NAME,...``: afterwards one call of each named function
+under the profiler, its kernels by category and the longest ones (``_profile``).
 
     python benchmarks/packed_batch.py                       # one H100/H200, ~3 minutes
     python benchmarks/packed_batch.py --dry-run             # CPU, tiny, xla kernel
@@ -43,7 +44,7 @@ import numpy as np  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
-from _profile import device_rounds  # noqa: E402
+from _profile import device_rounds, print_summary, profile_call  # noqa: E402
 from _util import env_info, out_dir, round_order, save_json  # noqa: E402
 from packed import lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
 
@@ -117,6 +118,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device-rounds", type=int, default=5)
     p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (xla kernel)")
+    p.add_argument("--profile", default="",
+                   help="comma-separated names of timed functions to profile once each")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the check against the float32 reference")
     a = p.parse_args(argv)
@@ -186,6 +189,16 @@ def main(argv=None):
               + (f"  device {row['device_ms']:8.2f} ms "
                  f"{100 * row['of_cudnn_row_device']:5.1f}%" if "device_ms" in row else ""),
               flush=True)
+    for n in filter(None, a.profile.split(",")):
+        if n not in calls:
+            print(f"profile {n!r}: no such function (have {names})", flush=True)
+            continue
+        fn, args, _ = calls[n]
+        try:
+            print_summary(profile_call(lambda: jax.block_until_ready(fn(*args)),
+                                       f"/tmp/packed_batch_profile_{len(n)}"), n)
+        except Exception as e:  # a trace that cannot be read costs the profile only
+            print(f"profile {n!r}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     path = os.path.join(out_dir(), "packed_batch.json")
     save_json(dict(env=env_info(), seq=S, heads=H, head_dim=D, rounds=a.rounds,
                    device_rounds=a.device_rounds, checked=checked if a.check else None,
