@@ -290,6 +290,23 @@ def test_forward_frees_ring_slots_on_named_barriers(stages):
         pallas_mgpu.free_barrier("v", 5, 6)
 
 
+@pytest.mark.parametrize("named_free", [True, False])
+def test_forward_with_one_producer_warp_lowers(named_free):
+    """``warp_producer``: the K/V loads run in one warp of the producer warpgroup
+    (``plgpu.warp_map``), and with ``named_free`` the slot barriers count 2 x 128 + 32."""
+    q = SDS((1, 512, 2, 128), BF16)
+    pos = jnp.arange(512)
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], named_free=named_free,
+                              warp_producer=True)
+    txt = _lowered(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, MaskSpec(causal=True), 0.1,
+                                            config=cfg), q, q, q)
+    assert txt.count("mosaic_gpu") >= 1
+    if named_free and pallas_mgpu.named_barriers_supported():
+        i = pallas_mgpu.free_barrier("k", 0, cfg.num_stages)
+        assert f"bar.arrive {i}, 288" in txt and f"bar.sync {i}, 288" in txt
+        assert f"{i}, 384" not in txt
+
+
 @pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])
 def test_ring_with_the_kernel_lowers_for_cuda(layout, backward):
     """Inside a ring (shard_map, ppermute, custom_vjp) the kernel serves every tile."""

@@ -58,8 +58,8 @@ from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
-    free_barrier, named_barrier, named_barriers_supported, produce_kv, slot_barrier,
-    tile_visible)
+    SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
+    produce_kv, slot_barrier, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -89,6 +89,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     named_free = config.named_free and named_barriers_supported()
     if named_free:
         free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
+    slot_threads = WARP_SLOT_THREADS if config.warp_producer else SLOT_THREADS
     no_lists = index in ("dense", "causal")
     ROW = plgpu.Layout.WGMMA.reduce(1)
     COL = plgpu.Layout.WGMMA.reduce(0)
@@ -121,7 +122,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
-                slot_barrier("arrive", which, slot, stages)
+                slot_barrier("arrive", which, slot, stages, slot_threads)
             else:
                 plgpu.barrier_arrive(ref.at[slot])
 
@@ -256,9 +257,15 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref, v_ref,
-                       k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                       named_free=named_free)
+
+            def produce():
+                produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                           v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                           named_free=named_free, slot_threads=slot_threads)
+            if config.warp_producer:  # one warp loads; the warpgroup's other three end
+                plgpu.warp_map(lambda warp: pl.when(warp == 0)(produce))
+            else:
+                produce()
 
     def entry(*refs):
         refs = list(refs)

@@ -25,7 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free", "dv_with_dp")
+               "named_sched", "named_free", "dv_with_dp", "warp_producer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,11 @@ class MgpuConfig:
     instead of arriving on a shared-memory barrier.  (The same in the backward's two
     kernels measured no gain, 0 to -1.8%: RESULTS.md; they keep their barriers.)  Both
     named-barrier fields need Mosaic GPU's inline PTX (JAX >= 0.11); older JAX takes the
-    shared-memory barriers.
+    shared-memory barriers.  ``warp_producer`` (forward): one warp of the producer
+    warpgroup issues the K/V loads and the other three end at once (``plgpu.warp_map``),
+    as in tokamax's sm90 forward, so three fewer warps sit in the scheduler waiting on
+    the ring's barriers; with ``named_free`` the slot barriers then count 2 x 128 + 32
+    threads.
     """
 
     block_q: int = 64
@@ -93,6 +97,7 @@ class MgpuConfig:
     named_sched: bool = True
     named_free: bool = True
     dv_with_dp: bool = False
+    warp_producer: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -199,8 +204,9 @@ def free_barrier(which: str, slot: int, stages: int) -> int:
 
 
 #: Threads on a ring slot's named barrier: both consumer warpgroups arrive, the
-#: producer warpgroup syncs.
+#: producer warpgroup syncs (``WARP_SLOT_THREADS``: its one producing warp does).
 SLOT_THREADS = 3 * 128
+WARP_SLOT_THREADS = 2 * 128 + 32
 
 
 def on_slot(slot, stages: int, fn) -> None:
@@ -211,12 +217,13 @@ def on_slot(slot, stages: int, fn) -> None:
         pl.when(slot == s)(lambda s=s: fn(s))
 
 
-def slot_barrier(op: str, which: str, slot, stages: int) -> None:
+def slot_barrier(op: str, which: str, slot, stages: int, threads: int = SLOT_THREADS) -> None:
     """``named_barrier(op, ...)`` on ring ``slot``'s K or V barrier: a consumer's
     ``"arrive"`` once it has read the operand, the producer's ``"sync"`` before it
-    refills the slot."""
+    refills the slot; ``threads`` (``SLOT_THREADS`` or ``WARP_SLOT_THREADS``) arrive in
+    all."""
     on_slot(slot, stages, lambda s: named_barrier(op, free_barrier(which, s, stages),
-                                                  SLOT_THREADS))
+                                                  threads))
 
 
 def named_barriers_supported() -> bool:
@@ -296,13 +303,15 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
 
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
-               k_ready, v_ready, k_free, v_free, named_free: bool = False):
+               k_ready, v_ready, k_free, v_free, named_free: bool = False,
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
-    named barriers (``free_barrier``; 2 x 128 consumer threads arrive, 128 producer
-    threads sync) instead of the shared-memory barriers ``k_free`` / ``v_free``."""
+    named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
+    sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -314,7 +323,7 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
         def wait_free(which, ref):
             if named_free:
-                slot_barrier("sync", which, slot, stages)
+                slot_barrier("sync", which, slot, stages, slot_threads)
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
