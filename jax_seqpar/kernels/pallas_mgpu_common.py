@@ -134,13 +134,17 @@ class MgpuConfig:
 #: against 0.915 / 0.928x; packed 64k and 16k 1-2% faster in all six comparisons,
 #: gradients bit-identical; at D = 64 it does not beat the atomic dQ).  ``dv_with_dp``
 #: (results/hopper_tiles/2026-11-25b/): the dK/dV kernel 8% faster at 64k (105.5 against
-#: 114.5 ms, device clock), fwd+bwd ahead of tokamax's at 16k and 64k (RESULTS.md).  D = 256 runs the
-#: Triton backward (the Mosaic GPU one does not fit shared memory), so its backward
-#: fields are unused.
+#: 114.5 ms, device clock), fwd+bwd ahead of tokamax's at 16k and 64k (RESULTS.md).
+#: ``warp_producer`` at D = 128 (results/hopper_tiles/2026-11-27/pair_wp*, one H100, three
+#: runs): the forward ahead of or level with the warpgroup producer in 9 of 12 cells on
+#: the device clock (+0.6 points of cuDNN's rate on average) and 11 of 12 on the wall
+#: clock (+2.5); at D = 64 one run was mixed (-2.9 to +4.1), so D = 64 keeps the
+#: warpgroup.  D = 256 runs the Triton backward (the Mosaic GPU one does not fit shared
+#: memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
     64: MgpuConfig(block_q=64, block_kv=128, num_stages=4, block_kv_dq=128, atomic_dq=True),
     128: MgpuConfig(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128,
-                    overlap_bwd=True, dv_with_dp=True),
+                    overlap_bwd=True, dv_with_dp=True, warp_producer=True),
     256: MgpuConfig(block_q=64, block_kv=64, num_stages=2),
 }
 
