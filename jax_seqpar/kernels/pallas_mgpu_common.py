@@ -138,7 +138,7 @@ class MgpuConfig:
 #: ``warp_producer`` at D = 128 (results/hopper_tiles/2026-11-27/pair_wp*, one H100, three
 #: runs): the forward ahead of or level with the warpgroup producer in 9 of 12 cells on
 #: the device clock (+0.6 points of cuDNN's rate on average) and 11 of 12 on the wall
-#: clock (+2.5); at D = 64 one run was mixed (-2.9 to +4.1), so D = 64 keeps the
+#: clock (+2.4); at D = 64 one run was mixed (-2.9 to +4.1), so D = 64 keeps the
 #: warpgroup.  D = 256 runs the Triton backward (the Mosaic GPU one does not fit shared
 #: memory), so its backward fields are unused.
 DEFAULT_MGPU_CONFIGS = {
