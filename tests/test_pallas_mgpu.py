@@ -167,7 +167,9 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     lse = SDS((2, 4, Tq), jnp.float32)
     variants = [dict(atomic_dq=False, overlap_bwd=False),
                 dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
-                dict(atomic_dq=True)] + (
+                dict(atomic_dq=True),
+                dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
+                dict(atomic_dq=True, warp_producer_bwd=True)] + (
         [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]

@@ -59,7 +59,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported 
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
     SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
-    produce_kv, slot_barrier, tile_visible)
+    on_producer_warps, produce_kv, slot_barrier, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -262,10 +262,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                            named_free=named_free, slot_threads=slot_threads)
-            if config.warp_producer:  # one warp loads; the warpgroup's other three end
-                plgpu.warp_map(lambda warp: pl.when(warp == 0)(produce))
-            else:
-                produce()
+            on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
         refs = list(refs)

@@ -53,7 +53,8 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, produce_kv, tile_visible)
+                                                   cta_order, on_producer_warps, produce_kv,
+                                                   tile_visible)
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -264,10 +265,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(24, action="decrease")
-
+        def produce():
             @pl.loop(0, g * count)
             def _(j):
                 slot = lax.rem(j, jnp.int32(stages))
@@ -290,6 +288,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 def _():
                     plgpu.barrier_wait(do_free.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(24, action="decrease")
+            on_producer_warps(config.warp_producer_bwd, produce)
 
     n_in = 10 + 2 * has_seg
 
@@ -460,9 +463,10 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(24, action="decrease")
-            produce_kv(lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
-                       lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready,
-                       v_ready, k_free, v_free)
+            on_producer_warps(config.warp_producer_bwd, lambda: produce_kv(
+                lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
+                lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
+                k_free, v_free))
 
     def entry(*refs):
         ins = refs[:12] if has_seg else refs[:10] + (None, None)

@@ -25,7 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free", "dv_with_dp", "warp_producer")
+               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,8 @@ class MgpuConfig:
     warpgroup issues the K/V loads and the other three end at once (``plgpu.warp_map``),
     as in tokamax's sm90 forward, so three fewer warps sit in the scheduler waiting on
     the ring's barriers; with ``named_free`` the slot barriers then count 2 x 128 + 32
-    threads.
+    threads.  ``warp_producer_bwd``: the same in the backward's kernels (their
+    producers wait on shared-memory barriers, whose counts do not change).
     """
 
     block_q: int = 64
@@ -98,6 +99,7 @@ class MgpuConfig:
     named_free: bool = True
     dv_with_dp: bool = False
     warp_producer: bool = False
+    warp_producer_bwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -304,6 +306,17 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
     for term in terms:
         ok = term if ok is None else ok & term
     return ok
+
+
+def on_producer_warps(one_warp: bool, produce) -> None:
+    """``produce()`` in the producer warpgroup: in all four of its warps, or
+    (``one_warp``: ``MgpuConfig.warp_producer`` / ``warp_producer_bwd``) in its first warp
+    alone, the other three ending at once (``plgpu.warp_map``)."""
+    if not one_warp:
+        produce()
+        return
+    import jax.experimental.pallas as pl
+    _plgpu().warp_map(lambda warp: pl.when(warp == 0)(produce))
 
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
