@@ -80,7 +80,8 @@ class MgpuConfig:
     as in tokamax's sm90 forward, so three fewer warps sit in the scheduler waiting on
     the ring's barriers; with ``named_free`` the slot barriers then count 2 x 128 + 32
     threads.  ``warp_producer_bwd``: the same in the backward's kernels (their
-    producers wait on shared-memory barriers, whose counts do not change).
+    producers wait on shared-memory barriers, whose counts do not change); checked on
+    the GPU, not yet timed (RESULTS.md), so off by default.
     """
 
     block_q: int = 64
