@@ -181,6 +181,33 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
 
 
+# --------------------------------------------------------------------------- tile masks
+@pytest.mark.parametrize("mask", [MaskSpec(causal=True), MaskSpec(window=(5, 3)),
+                                  MaskSpec(causal=True, window=(7, 0)),
+                                  MaskSpec(window=(2 ** 31 - 1, 2 ** 31 - 1)),
+                                  MaskSpec(causal=True, window=(2 ** 31 - 1, 0))])
+@pytest.mark.parametrize("q_axis", [0, 1])
+def test_tile_visible_is_the_contract_mask(mask, q_axis):
+    """The kernels' in-tile mask (shifted positions, or differences for window sides of
+    2**30 and more) against the contract's, written directly: positions of a ring step
+    far from 0, segment ids."""
+    rng = np.random.default_rng(3)
+    qp = (10_000 + np.arange(48)).astype(np.int32)
+    kp = (9_980 + np.arange(40)).astype(np.int32)
+    qs, ks = (np.sort(rng.integers(0, 3, n)).astype(np.int32) for n in (48, 40))
+    shape = (48, 40) if q_axis == 0 else (40, 48)
+    got = np.asarray(pallas_mgpu.tile_visible(mask, jnp.asarray(qp), jnp.asarray(kp),
+                                              jnp.asarray(qs), jnp.asarray(ks), q_axis,
+                                              shape))
+    d = kp[None, :].astype(np.int64) - qp[:, None]
+    want = qs[:, None] == ks[None, :]
+    if mask.right_limit is not None:
+        want &= d <= mask.right_limit
+    if mask.left_limit is not None:
+        want &= d >= -mask.left_limit
+    np.testing.assert_array_equal(got, want if q_axis == 0 else want.T)
+
+
 # --------------------------------------------------------------------------- index tiles
 @pytest.mark.parametrize("T,rows,bk", [(512, 128, 128), (300, 128, 128), (640, 128, 64),
                                        (200, 256, 192), (1000, 128, 256)])
