@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
 from _profile import device_rounds, print_summary, profile_call  # noqa: E402
-from _util import env_info, out_dir, round_order, save_json  # noqa: E402
-from packed import lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
+from _util import env_info, out_dir, rel, round_order, save_json  # noqa: E402
+from packed import _inputs, lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
 
 
 def _ours(mesh, kernel, with_seg):
@@ -66,11 +66,6 @@ def _cudnn():
     return jax.jit(fb)
 
 
-def _inputs(seed, B, S, H, D, dtype):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return tuple(jax.random.normal(kk, (B, S, H, D), dtype) for kk in ks)
-
-
 def check(on_gpu, kernels) -> bool:
     """The one-device calls against the float32 reference; prints one line per case."""
     from jax_seqpar.reference import reference_attention
@@ -79,7 +74,7 @@ def check(on_gpu, kernels) -> bool:
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     ok = True
     for D in (64, 128):
-        q, k, v, do = _inputs(D, B, S, H, D, dtype)
+        q, k, v, do = _inputs(D, B, S, S, H, H, D, dtype)
         lens = [S // 8, S // 2, S - S // 8 - S // 2]
         for with_seg in (False, True):
             seg = jnp.asarray(segments_from_lengths(lens, S)[0][None].repeat(B, 0))
@@ -96,18 +91,13 @@ def check(on_gpu, kernels) -> bool:
                     return jsp.attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
                                          segment_ids=seg_arg)
                 out, vjp = jax.vjp(f, q, k, v)
-                errs = [_rel(a, b) for a, b in zip((out, *vjp(do)), (r_out, *r_grads))]
+                errs = [rel(a, b) for a, b in zip((out, *vjp(do)), (r_out, *r_grads))]
                 good = max(errs) <= 2e-2
                 ok &= good
                 print(f"check D={D:3d} {'segments' if with_seg else 'causal  '} {kernel:12s} "
                       + " ".join(f"{n} {e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
                       + (" ok" if good else " FAIL"), flush=True)
     return ok
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main(argv=None):
@@ -141,13 +131,13 @@ def main(argv=None):
     kernel = "auto" if on_gpu else "xla"
     dense = _cudnn() if on_gpu else _ours(mesh, kernel, False)
     full = 3.5 * 2 * H * D * float(S) ** 2
-    one = _inputs(0, 1, S, H, D, dtype)
+    one = _inputs(0, 1, S, S, H, H, D, dtype)
     calls = {"cudnn one row": (dense, (*one, None), full)}
     for L in doc_lens:
         n = S // L
         seg = jnp.asarray(segments_from_lengths([L] * n, S)[0][None])
         useful = 3.5 * 2 * H * D * n * float(L) ** 2
-        batch = _inputs(L, n, L, H, D, dtype)
+        batch = _inputs(L, n, L, L, H, H, D, dtype)
         calls[f"packed L{L}"] = (_ours(mesh, kernel, True), (*one, seg), useful)
         if on_gpu:
             calls[f"batch cudnn L{L}"] = (_cudnn(), (*batch, None), useful)
