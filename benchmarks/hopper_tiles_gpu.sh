@@ -10,14 +10,16 @@
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
 #   (KERNELS=tokamax_direct,pallas_mgpu,lists VARIANTS=lists:index_tiles=false ... pair RUN
 #    adds a variant of the defaults to the same run)
+#   bash benchmarks/hopper_tiles_gpu.sh auto RUN     # auto_order.py: which backend `auto`
+#                                                    # should try first, model-shaped calls
 #   bash benchmarks/hopper_tiles_gpu.sh breakdown RUN  # kernels.py breakdown: each kernel
 #                                                    # of one fwd+bwd call per backend
 #
-# The pair and breakdown phases install tokamax 0.0.17 and its dependencies from wheels
+# The pair, auto and breakdown phases install tokamax 0.0.17 and its dependencies from wheels
 # carried in .whl/tokamax (the GPU machine has no network) and put an empty stand-in for
 # `xprof` on the path: tokamax imports it at import time for its own benchmarking module only.
 set -euo pipefail
-phase=${1:?tune DIM | check RUN | pair RUN | breakdown RUN}
+phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
 export OUT
 mkdir -p "$OUT"
@@ -62,6 +64,14 @@ pair)
         --rounds "${PAIR_ROUNDS:-8}" --device-rounds "${DEVICE_ROUNDS:-7}" \
         2>&1 | tee "$OUT/pair_$run.log"
     mv "$OUT/kernels_gpu.json" "$OUT/pair_$run.json"
+    ;;
+auto)  # auto_order.py: cuDNN / pallas_mgpu / tokamax / auto through jax_seqpar.attention
+    run=${2:?run name}
+    with_tokamax
+    timeout "${AUTO_S:-560}" python auto_order.py --rounds "${PAIR_ROUNDS:-8}" \
+        --device-rounds "${DEVICE_ROUNDS:-5}" ${SHAPES:+--shapes "$SHAPES"} 2>&1 \
+        | tee "$OUT/auto_$run.log"
+    mv "$OUT/auto_order.json" "$OUT/auto_$run.json"
     ;;
 breakdown)
     run=${2:?run name}

@@ -147,11 +147,55 @@ def test_auto_falls_back_per_tile(monkeypatch, kw, want):
 
 
 def test_auto_order_is_measured_and_consistent():
-    """Every backend AUTO_ORDER names exists, and the table says where its numbers came from."""
-    for (platform, tile), names in base.AUTO_ORDER.items():
+    """Every key of AUTO_ORDER is (platform, tile kind[, head dim]), every backend it names
+    exists, a head dim's entry reorders its tile kind's backends without adding or
+    dropping any, and the table says where its numbers came from."""
+    for key, names in base.AUTO_ORDER.items():
+        platform, tile, *dim = key
         assert tile in base.TILE_KINDS and platform in ("cpu", "gpu", "tpu")
         assert set(names) <= set(base.available_kernels()), names
-    assert "TFLOP/s" in base.__doc__ or "TFLOP/s" in open(base.__file__).read()
+        if dim:
+            assert len(dim) == 1 and isinstance(dim[0], int) and dim[0] > 0, key
+            assert sorted(names) == sorted(base.AUTO_ORDER[(platform, tile)]), key
+    assert "auto_order.py" in open(base.__file__).read()
+
+
+def test_a_head_dim_entry_reorders_only_its_head_dim(monkeypatch):
+    """``auto_candidates`` takes the head dim's entry where AUTO_ORDER has one, the tile
+    kind's otherwise, then the remaining backends by priority."""
+    monkeypatch.setitem(base.AUTO_ORDER, ("gpu", TILE_ALIGNED, 96), ("xla", "cudnn"))
+    monkeypatch.setitem(base.AUTO_ORDER, ("gpu", TILE_ALIGNED), ("cudnn", "xla"))
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 96)[:2] == ("xla", "cudnn")
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 128)[:2] == ("cudnn", "xla")
+    assert base.auto_candidates("gpu", TILE_ALIGNED)[:2] == ("cudnn", "xla")
+    assert sorted(base.auto_candidates("gpu", TILE_ALIGNED, 96)) == sorted(
+        base.available_kernels())
+
+
+def test_ulysses_without_a_mask_is_a_dense_tile_in_any_layout(fake_gpu, monkeypatch):
+    """Without a mask no position matters, so Ulysses' gathered sequence is a dense tile
+    even in the striped layout (``parallel.common.tile_kind``), where ``auto`` tries cuDNN
+    first; with a causal mask the striped positions make it general (cuDNN refuses)."""
+    from jax_seqpar.parallel import ulysses
+    tiles = []
+
+    def spy(*args, tile, **kw):
+        tiles.append(tile)
+        return local_attention(*args, tile=tile, **kw)
+    local_attention = ulysses.local_attention
+    monkeypatch.setattr(ulysses, "local_attention", spy)
+    q, k, v = helpers.make_qkv(3, B=1, S=32, Hq=4, Hkv=2, D=16, dtype=BF16)
+    mesh = helpers.make_mesh(2)
+    out = jsp.attention(q, k, v, mesh=mesh, strategy="ulysses", layout="striped",
+                        kernel="cudnn")
+    ref, _, _ = helpers.reference_fwd_bwd(q, k, v, q, None)
+    helpers.assert_close(out, ref, 2e-2, "ulysses, striped, no mask")
+    assert tiles == [TILE_DENSE]
+    assert {(kind, causal) for kind, causal, _, _ in fake_gpu} == {("fwd_no_lse", False)}
+    with pytest.raises(NotImplementedError, match="cannot serve a 'general' tile"):
+        jsp.attention(q, k, v, mesh=mesh, strategy="ulysses", layout="striped",
+                      causal=True, kernel="cudnn")
+    assert tiles == [TILE_DENSE, TILE_GENERAL]
 
 
 def test_forced_cudnn_names_the_refused_tile(fake_gpu):

@@ -132,10 +132,15 @@ def test_config_type_is_checked():
                                TILE_GENERAL: "pallas_mgpu"}),
     (dict(dtype="float32"), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
                              TILE_GENERAL: "pallas"}),
+    (dict(head_dim=64), {TILE_DENSE: "cudnn", TILE_ALIGNED: "pallas_mgpu",
+                         TILE_GENERAL: "pallas_mgpu"}),
+    (dict(head_dim=64, dtype="float32"), {TILE_DENSE: "pallas", TILE_ALIGNED: "pallas",
+                                          TILE_GENERAL: "pallas"}),
 ])
 def test_auto_on_hopper(kw, want, monkeypatch):
-    """On Hopper ``auto`` keeps cuDNN for the tiles it serves (its forward + backward is
-    faster) and gives every other bf16/f16 tile to the Mosaic GPU kernel."""
+    """On Hopper ``auto`` keeps cuDNN for the tiles it serves where its forward + backward
+    is faster (dense tiles; aligned ones at D 128) and gives every other bf16/f16 tile to
+    the Mosaic GPU kernel (base.AUTO_ORDER)."""
     monkeypatch.setattr(pallas_mgpu, "is_hopper", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
     assert TileKernels("auto", _request(**kw)).choices == want

@@ -38,15 +38,16 @@ then hands it a device's whole causal block as one aligned tile rather than as t
 block's causal halves (``parallel/pairs.py``).
 
 A backend that cannot honour a request raises ``NotImplementedError`` saying why;
-``kernel="auto"`` picks, per tile kind, the first backend of ``AUTO_ORDER`` (measured
-speeds) that accepts it, then the other registered backends by priority.
+``kernel="auto"`` picks, per tile kind (and head dim where one measured differently), the
+first backend of ``AUTO_ORDER`` (measured speeds) that accepts it, then the other
+registered backends by priority.
 ``TileKernels`` resolves one call's backend for each tile kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Protocol, Tuple
+from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import jax
 
@@ -61,25 +62,30 @@ TILE_ALIGNED = "aligned"
 TILE_GENERAL = "general"
 TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
 
-#: ``kernel="auto"``: backends to try first, fastest first, per (platform, tile kind).
-#: Measured on one H200, JAX 0.11.2, bf16, B=1, H=16, S=16k, D=128, timed in rotation
-#: (2026-11-23, benchmarks/RESULTS.md, "Hopper kernel"), TFLOP/s forward (causal) and
-#: forward + backward (causal): cuDNN 559 (471) and 566 (513); the Mosaic GPU kernel
-#: ``pallas_mgpu`` 551 (497) and 492 (481), i.e. 0.99x (1.08x) and 0.87x (0.93x)
-#: cuDNN (over six runs: 0.94-1.00x (0.97-1.13x) and 0.84-0.90x, RESULTS.md); the
-#: Triton kernel ``pallas`` 382 (289) and 342 (322); the xla kernel is 10-15x slower
-#: than Triton.  cuDNN cannot read positions, so it serves dense and
-#: aligned tiles only, where its forward + backward is the fastest; general tiles go to
-#: ``pallas_mgpu`` on Hopper (it refuses other GPUs and float32), then to Triton.
-#: tokamax 0.0.17's Mosaic kernel (the optional ``tokamax`` backend: dense and aligned
-#: tiles) against ``pallas_mgpu``, forward + backward as a ratio to cuDNN in one H200 run
-#: (2026-11-24, RESULTS.md "tokamax as a backend"): D 128 0.936x vs 0.898x, causal
-#: 0.946x vs 0.978x; D 64 0.851x vs 0.976x, causal 0.889x vs 1.008x.  So it comes after
-#: ``pallas_mgpu``, which wins three columns of four.
-#: Backends not listed follow by priority.
-AUTO_ORDER: Dict[Tuple[str, str], Tuple[str, ...]] = {
+#: ``kernel="auto"``: backends to try first, fastest first, per (platform, tile kind), and
+#: per (platform, tile kind, head dim) where a head dim measured differently; backends not
+#: listed follow by priority.  Forward + backward through ``jax_seqpar.attention`` on one
+#: device, bf16, as a ratio to cuDNN, one H100, JAX 0.11.2, 2026-11-27
+#: (``benchmarks/auto_order.py``, RESULTS.md "Which backend auto tries first"):
+#:
+#: * D 128 (Llama-3-8B's 32 / 8 heads): ``pallas_mgpu`` 1.11x with a causal mask on rows
+#:   of 4k, 0.99x at 16k and 0.97x at 32k, 0.92-0.99x without a mask; so cuDNN first
+#:   on dense and aligned tiles.  (``kernels.py pair``, three runs the same day, one row
+#:   of 16 heads: 0.95-1.00x.)
+#: * D 64 (SmolLM2's 9 / 3 heads, 64k tokens a call): ``pallas_mgpu`` 1.02-1.03x with a
+#:   causal mask on rows of 4k-64k (device clock 1.01-1.07x; ``pair``, one row of 16
+#:   heads: 1.02-1.07x in three runs on the H100, medians of three runs on an H200
+#:   1.04-1.05x, 2026-11-25), so it comes first on aligned tiles at D 64;
+#:   0.96-0.97x without a mask, so dense tiles keep cuDNN.
+#: * tokamax 0.0.17 (the optional ``tokamax`` backend: dense and aligned tiles) trails
+#:   ``pallas_mgpu`` in all 12 cells of that run (0.82-1.02x cuDNN), so it comes after it.
+#: * General tiles (positions decide): cuDNN cannot read positions, so the Hopper kernel
+#:   ``pallas_mgpu`` (it refuses other GPUs and float32), then the Triton ``pallas``
+#:   (cuDNN's 0.6-0.7x on an H200, 2026-11-23), then xla (10-15x slower than Triton).
+AUTO_ORDER: Dict[tuple, Tuple[str, ...]] = {
     ("gpu", TILE_DENSE): ("cudnn", "pallas_mgpu", "tokamax", "pallas", "xla"),
     ("gpu", TILE_ALIGNED): ("cudnn", "pallas_mgpu", "tokamax", "pallas", "xla"),
+    ("gpu", TILE_ALIGNED, 64): ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla"),
     ("gpu", TILE_GENERAL): ("pallas_mgpu", "pallas", "xla"),
 }
 
@@ -157,9 +163,13 @@ def available_kernels() -> Tuple[str, ...]:
     return tuple(sorted(_REGISTRY, key=lambda n: -_REGISTRY[n].priority))
 
 
-def auto_candidates(platform: str, tile: str) -> Tuple[str, ...]:
-    """The order in which ``kernel="auto"`` tries backends for this platform and tile."""
-    first = tuple(n for n in AUTO_ORDER.get((platform, tile), ()) if n in _REGISTRY)
+def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None
+                    ) -> Tuple[str, ...]:
+    """The order in which ``kernel="auto"`` tries backends for this platform, tile kind
+    and head dim: ``AUTO_ORDER``'s entry for the head dim if it has one, else the tile
+    kind's, then every other registered backend by priority."""
+    order = AUTO_ORDER.get((platform, tile, head_dim), AUTO_ORDER.get((platform, tile), ()))
+    first = tuple(n for n in order if n in _REGISTRY)
     return first + tuple(n for n in available_kernels() if n not in first)
 
 
@@ -169,7 +179,7 @@ def get_kernel(name: str, request: KernelRequest) -> AttentionKernel:
         raise TypeError(f"kernel={name!r} must be a string")
     if name == "auto":
         reasons = []
-        for cand in auto_candidates(request.platform, request.tile):
+        for cand in auto_candidates(request.platform, request.tile, request.head_dim):
             entry = _REGISTRY[cand]
             if request.platform not in entry.platforms:
                 continue

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels.base import AttentionKernel, KernelRequest, default_platform
+from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, AttentionKernel,
+                                     KernelRequest, default_platform)
 from jax_seqpar.kernels.tiles import TileKernels, tile_kernels
 from jax_seqpar.layouts import check_layout
 from jax_seqpar.masks import MaskSpec, WindowArg
@@ -76,6 +77,16 @@ def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
     kernel = tile_kernels(kernel, request)
     return AttnConfig(axis_name=axis_name, mask=mask, scale=float(scale), kernel=kernel,
                       layout=layout, backward=backward, stripe=stripe)
+
+
+def tile_kind(mask: MaskSpec, aligned: bool) -> str:
+    """The tile kind (``kernels/base.py``) of a local call with ``mask``: dense when
+    nothing is masked (positions do not matter, whatever the layout), aligned when
+    ``aligned`` (both sides at the same consecutive positions) and no block mask, else
+    general."""
+    if mask.is_dense:
+        return TILE_DENSE
+    return TILE_ALIGNED if aligned and mask.block_mask is None else TILE_GENERAL
 
 
 def axis_size(axis_name: AxisName) -> int:

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.runtime._compat import vary_like
-from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.masks import MaskSpec
+from jax_seqpar.parallel.common import tile_kind
 from jax_seqpar.parallel.merge import merge
 
 F32 = jnp.float32
@@ -66,13 +66,6 @@ def _structured(cfg) -> bool:
 
 def _seg(x, sl):
     return None if x is None else x[:, sl]
-
-
-def _tile(mask: MaskSpec, aligned: bool) -> str:
-    """The tile kind of a call with ``mask``; ``aligned``: same consecutive positions."""
-    if mask.is_dense:
-        return TILE_DENSE
-    return TILE_ALIGNED if aligned and mask.block_mask is None else TILE_GENERAL
 
 
 def _pair_share(cfg, q_seg, kv_seg):
@@ -191,7 +184,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
 
     def call(qs, ks, vs, qp, kp, qsg, ksg, mask, aligned=False):
         o, lse = cfg.kernel.fwd(qs, ks, vs, qp, kp, mask, cfg.scale, qsg, ksg,
-                                tile=_tile(mask, aligned))
+                                tile=tile_kind(mask, aligned))
         return o.astype(F32), lse  # backends may return o in the input dtype
 
     if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(cfg, q_seg, half))):
@@ -280,7 +273,7 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
 
     def call(qs, ks, vs, ls, dos, ds, qp, kp, qsg, ksg, mask, os=None, aligned=False):
         return cfg.kernel.bwd(qs, ks, vs, os, ls, dos, qp, kp, mask, cfg.scale, qsg, ksg,
-                              delta=ds, tile=_tile(mask, aligned))
+                              delta=ds, tile=tile_kind(mask, aligned))
 
     def rows(sl):
         return None if o is None else o[:, sl]

@@ -18,7 +18,8 @@ of the undivided attention.
 After the all-to-all the sequence is in *layout order* (device 0's tokens first), so the
 tile's positions are ``layouts.permutation(layout, S, G)``; for the contiguous layout that
 is ``arange(S)`` and a causal or window mask is an *aligned* tile (the kernel may apply it
-by index), otherwise a *general* one.  Ulysses needs no causal balance (every device
+by index), otherwise a *general* one; without a mask the tile is *dense* in any layout
+(no position matters).  Ulysses needs no causal balance (every device
 attends the whole sequence on its heads) but accepts every layout.  The backward is
 JAX's: the transpose of an all-to-all is the reverse all-to-all, and ``local_attention``
 has its own ``custom_vjp``.
@@ -44,9 +45,8 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_GENERAL
 from jax_seqpar.layouts import permutation
-from jax_seqpar.parallel.common import AttnConfig, axis_size
+from jax_seqpar.parallel.common import AttnConfig, axis_size, tile_kind
 from jax_seqpar.parallel.local import local_attention
 from jax_seqpar.parallel.ring import ring_attention_with_config
 
@@ -91,8 +91,7 @@ def ulysses_attention_with_config(cfg: AttnConfig, q, k, v, segment_ids=None):
     perm = permutation(cfg.layout, G * T, G, cfg.stripe)  # positions in layout order
     aligned = cfg.mask.block_mask is None and np.array_equal(perm, np.arange(G * T))
     pos = jnp.asarray(perm, jnp.int32)
-    o = local_attention(cfg, qh, kh, vh, pos, pos, seg, seg,
-                        tile=TILE_ALIGNED if aligned else TILE_GENERAL)
+    o = local_attention(cfg, qh, kh, vh, pos, pos, seg, seg, tile=tile_kind(cfg.mask, aligned))
     return heads_to_seq(o, cfg.axis_name)
 
 
