@@ -15,9 +15,10 @@
 #   bash benchmarks/hopper_tiles_gpu.sh breakdown RUN  # kernels.py breakdown: each kernel
 #                                                    # of one fwd+bwd call per backend
 #
-# The pair, auto and breakdown phases install tokamax 0.0.17 and its dependencies from wheels
-# carried in .whl/tokamax (the GPU machine has no network) and put an empty stand-in for
-# `xprof` on the path: tokamax imports it at import time for its own benchmarking module only.
+# The pair, auto and breakdown phases (and check, when KERNELS names tokamax) install
+# tokamax 0.0.17 and its dependencies from wheels carried in .whl/tokamax (the GPU machine
+# has no network) and put an empty stand-in for `xprof` on the path: tokamax imports it at
+# import time for its own benchmarking module only.
 set -euo pipefail
 phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
@@ -46,6 +47,7 @@ tune)
     ;;
 check)
     run=${2:?run name}
+    case ",${KERNELS:-}," in *,tokamax,*) with_tokamax ;; esac
     variants=()
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
     timeout "${CHECK_S:-300}" python kernels.py --phases check "${variants[@]}" \
