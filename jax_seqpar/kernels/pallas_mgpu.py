@@ -458,8 +458,8 @@ class PallasMgpuKernel:
             kv_seg=None, *, tile: str = TILE_GENERAL):
         self._check_call(q, q_pos, kv_pos)
         cfg = self.config_for(q.shape[-1], q.dtype, mask, q_seg is not None, tile)
-        return mgpu_fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, config=cfg,
-                        tile=tile)
+        return _jitted_fwd(q, k, v, q_pos, kv_pos, mask, float(scale), q_seg, kv_seg,
+                           config=cfg, tile=tile)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
@@ -468,11 +468,22 @@ class PallasMgpuKernel:
         if backward_smem_bytes(cfg, q.shape[-1], q.dtype) > SMEM_LIMIT:
             # D = 256: K, V and two Q/dO stages do not fit a CTA's shared memory; the
             # Triton backward (same contract, same tile lists) takes these tiles
-            return pallas_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg,
-                              kv_seg, delta, config=default_config(q.shape[-1], q.dtype),
-                              interpret=False)
-        return mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
-                        delta, config=cfg)
+            return _jitted_triton_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask,
+                                      float(scale), q_seg, kv_seg, delta,
+                                      config=default_config(q.shape[-1], q.dtype),
+                                      interpret=False)
+        return _jitted_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, float(scale), q_seg,
+                           kv_seg, delta, config=cfg)
+
+
+# One jitted function per tile direction, as for the Triton kernel (pallas_gpu.py): a ring
+# calls the kernel once per hop with the same shapes, and each call of the bare function
+# would build the Mosaic GPU kernel again.  Jitted, a program traces and lowers each
+# distinct tile once; XLA inlines the calls when it compiles.
+_jitted_fwd = jax.jit(mgpu_fwd, static_argnums=(5, 6), static_argnames=("config", "tile"))
+_jitted_bwd = jax.jit(mgpu_bwd, static_argnums=(8, 9), static_argnames=("config",))
+_jitted_triton_bwd = jax.jit(pallas_bwd, static_argnums=(8, 9),
+                             static_argnames=("config", "interpret"))
 
 
 register_kernel("pallas_mgpu", PallasMgpuKernel, priority=9, platforms=("gpu",))
