@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from _profile import device_rounds  # noqa: E402
 from _util import env_info, out_dir, rel, round_order, save_json  # noqa: E402
+from kernels import attn_flops  # noqa: E402
 
 #: (name, B, S, Hq, Hkv, D): SmolLM2-135M's heads (9 / 3, D 64) at 4k, 16k and 64k tokens
 #: a row, 64k tokens a call; Llama-3-8B's (32 / 8, D 128) at 4k, 16k and 32k, 16-32k
@@ -44,11 +45,6 @@ SHAPES = [
 ]
 DRY_SHAPES = [("dry d64", 2, 64, 4, 2, 64), ("dry d128", 1, 64, 4, 4, 128)]
 BUDGET = 2e-2
-
-
-def flops(B, S, Hq, D, causal):
-    f = 4 * B * Hq * S * S * D
-    return f / 2 if causal else f
 
 
 def _fns(mesh, kernel, causal):
@@ -92,7 +88,7 @@ def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh):
             jax.block_until_ready(fn(*args))
             wall[key].append(time.perf_counter() - t0)
     dev = device_rounds(calls, dev_rounds, seed=S + D + B)
-    fl = flops(B, S, Hq, D, causal)
+    fl = attn_flops(B, Hq, S, D, causal)
     rows = []
     for n in names:
         row = dict(shape=label, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal, kernel=n,
