@@ -42,7 +42,14 @@ SHAPES = [
     ("smollm2 1x64k", 1, 65536, 9, 3, 64),
     ("llama8b 4x4k", 4, 4096, 32, 8, 128), ("llama8b 1x16k", 1, 16384, 32, 8, 128),
     ("llama8b 1x32k", 1, 32768, 32, 8, 128),
+    # rows from 1k to 16k at D 128, 16k tokens a call: where the row length decides
+    # (``--shapes`` picks them; GQA as Llama-3-8B, MHA as Llama-2-7B's 32 / 32 heads)
+    ("llama8b 16x1k", 16, 1024, 32, 8, 128), ("llama8b 8x2k", 8, 2048, 32, 8, 128),
+    ("llama8b 2x8k", 2, 8192, 32, 8, 128),
+    ("llama2 8x2k", 8, 2048, 32, 32, 128), ("llama2 4x4k", 4, 4096, 32, 32, 128),
+    ("llama2 2x8k", 2, 8192, 32, 32, 128), ("llama2 1x16k", 1, 16384, 32, 32, 128),
 ]
+DEFAULT_SHAPES = SHAPES[:6]
 DRY_SHAPES = [("dry d64", 2, 64, 4, 2, 64), ("dry d128", 1, 64, 4, 4, 128)]
 BUDGET = 2e-2
 
@@ -124,7 +131,7 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (xla kernel)")
     a = p.parse_args(argv)
     kernels = ["xla", "auto"] if a.dry_run else a.kernels.split(",")
-    shapes = DRY_SHAPES if a.dry_run else SHAPES
+    shapes = DRY_SHAPES if a.dry_run else DEFAULT_SHAPES
     if a.shapes:
         want = a.shapes.split(",")
         unknown = set(want) - {s[0] for s in SHAPES}

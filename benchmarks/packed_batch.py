@@ -13,6 +13,9 @@ batches them, one document per row, all of one length ``L``:
 * ``batch cudnn``: cuDNN, causal, ``S / L`` rows of ``L`` tokens: the same useful work,
   what a user with equal documents would run instead;
 * ``batch ours``: ``jax_seqpar.attention`` on the same batch, no segment ids;
+* ``batch mgpu``: the same through ``kernel="pallas_mgpu"`` (on Hopper): the kernel that
+  serves the packed call, on the same documents without segment ids, so the gap between
+  it and ``packed`` is what packing costs that kernel;
 * ``packed lognormal``: the bar's own case (log-normal lengths around ``L``, as
   ``packed.py``), for reference.
 
@@ -115,9 +118,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     checked = True
+    from jax_seqpar.kernels.pallas_mgpu import is_hopper
+    hopper = on_gpu and is_hopper()
     if a.check:
-        from jax_seqpar.kernels.pallas_mgpu import is_hopper
-        kernels = ("auto", "pallas_mgpu") if on_gpu and is_hopper() else ("auto",)
+        kernels = ("auto", "pallas_mgpu") if hopper else ("auto",)
         checked = check(on_gpu, kernels)
     if a.dry_run:
         a.seq, a.doc_lens, a.rounds, a.device_rounds = 512, "128,64", 2, 0
@@ -142,6 +146,9 @@ def main(argv=None):
         if on_gpu:
             calls[f"batch cudnn L{L}"] = (_cudnn(), (*batch, None), useful)
         calls[f"batch ours L{L}"] = (_ours(mesh, kernel, False), (*batch, None), useful)
+        if hopper:
+            calls[f"batch mgpu L{L}"] = (_ours(mesh, "pallas_mgpu", False), (*batch, None),
+                                         useful)
         lens = lognormal_lengths(L, S, seed=S + L)
         seg_ln = jnp.asarray(packed_ids(lens, S)[None])
         calls[f"packed lognormal L{L}"] = (_ours(mesh, kernel, True), (*one, seg_ln),
