@@ -160,6 +160,75 @@ def test_auto_order_is_measured_and_consistent():
     assert "auto_order.py" in open(base.__file__).read()
 
 
+def test_short_rows_orders_are_measured_and_consistent():
+    """Every entry of AUTO_ORDER_SHORT_ROWS is keyed (platform, tile kind, head dim), has a
+    positive row limit, and reorders its tile kind's backends without adding or dropping
+    any; the table says where its numbers came from."""
+    assert base.AUTO_ORDER_SHORT_ROWS, "the table is empty: drop it or measure an entry"
+    for key, (rows, names) in base.AUTO_ORDER_SHORT_ROWS.items():
+        platform, tile, dim = key
+        assert tile in base.TILE_KINDS and isinstance(dim, int) and dim > 0, key
+        assert isinstance(rows, int) and rows > 0, key
+        assert sorted(names) == sorted(base.AUTO_ORDER[(platform, tile)]), key
+    text = open(base.__file__).read()
+    assert "auto_order.py" in text and "Short rows at D 128" in text
+
+
+def test_short_rows_reorder_only_tiles_of_that_many_rows(monkeypatch):
+    monkeypatch.setitem(base.AUTO_ORDER_SHORT_ROWS, ("gpu", TILE_ALIGNED, 96),
+                        (1024, ("xla", "cudnn")))
+    monkeypatch.setitem(base.AUTO_ORDER, ("gpu", TILE_ALIGNED), ("cudnn", "xla"))
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 96, 1024)[:2] == ("xla", "cudnn")
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 96, 1025)[:2] == ("cudnn", "xla")
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 96)[:2] == ("cudnn", "xla")  # unknown
+    assert base.auto_candidates("gpu", TILE_ALIGNED, 80, 16)[:2] == ("cudnn", "xla")
+    assert base.short_rows_limit("gpu", TILE_ALIGNED, 96) == 1024
+    assert base.short_rows_limit("gpu", TILE_DENSE, 96) is None
+    with pytest.raises(ValueError, match="rows"):
+        _request(rows=0)
+
+
+@pytest.mark.parametrize("S,short", [(32, True), (64, False)])
+def test_auto_routes_each_aligned_tile_by_its_rows(fake_gpu, monkeypatch, S, short):
+    """With a short-rows entry (a stand-in one: xla for aligned tiles of up to 16 rows at
+    D 16), ``auto`` routes a ring's diagonal block by its rows, in the forward and the
+    backward alike.  A block of 16 rows goes to xla, which does not skip masked key
+    blocks, so it gets the block's causal halves (8 rows; ``pairs._whole_own``); one of
+    32 rows goes whole to the "cuDNN" stand-in.  Dense tiles stay on cuDNN.  The result
+    matches the reference either way."""
+    monkeypatch.setitem(base.AUTO_ORDER_SHORT_ROWS, ("gpu", TILE_ALIGNED, 16),
+                        (16, ("xla", "cudnn", "tokamax", "pallas_mgpu", "pallas")))
+    xla_rows = []
+    fwd, bwd = XlaKernel.fwd, XlaKernel.bwd
+
+    def spy_fwd(self, q, *a, **kw):
+        xla_rows.append(("fwd", q.shape[1]))
+        return fwd(self, q, *a, **kw)
+
+    def spy_bwd(self, q, *a, **kw):
+        xla_rows.append(("bwd", q.shape[1]))
+        return bwd(self, q, *a, **kw)
+    monkeypatch.setattr(XlaKernel, "fwd", spy_fwd)
+    monkeypatch.setattr(XlaKernel, "bwd", spy_bwd)
+    G = 2
+    q, k, v = helpers.make_qkv(5, B=1, S=S, Hq=4, Hkv=2, D=16, dtype=BF16)
+    do = helpers.make_cotangent(5, q.shape, BF16)
+    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=True)
+    out, grads = helpers.ring_fwd_bwd(G, True, "contiguous", "kv", None, "auto")(q, k, v, do)
+    helpers.assert_close(out, ref_out, 2e-2, "out")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        helpers.assert_close(g, r, 2e-2, name)
+    causal_cudnn = {kind for kind, causal, _, _ in fake_gpu if causal}
+    dense_cudnn = {kind for kind, causal, _, _ in fake_gpu if not causal}
+    assert dense_cudnn >= {"fwd", "bwd"}  # the off-diagonal tile, either way
+    if short:
+        assert sorted(set(xla_rows)) == [("bwd", S // G // 2), ("fwd", S // G // 2)]
+        assert not causal_cudnn
+    else:
+        assert not xla_rows and causal_cudnn >= {"fwd", "bwd"}
+        assert {rows for _, causal, rows, _ in fake_gpu if causal} == {S // G}
+
+
 def test_a_head_dim_entry_reorders_only_its_head_dim(monkeypatch):
     """``auto_candidates`` takes the head dim's entry where AUTO_ORDER has one, the tile
     kind's otherwise, then the remaining backends by priority."""

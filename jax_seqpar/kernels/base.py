@@ -40,7 +40,8 @@ block's causal halves (``parallel/pairs.py``).
 A backend that cannot honour a request raises ``NotImplementedError`` saying why;
 ``kernel="auto"`` picks, per tile kind (and head dim where one measured differently), the
 first backend of ``AUTO_ORDER`` (measured speeds) that accepts it, then the other
-registered backends by priority.
+registered backends by priority; ``AUTO_ORDER_SHORT_ROWS`` overrides that order for
+tiles of few query rows where those measured differently.
 ``TileKernels`` resolves one call's backend for each tile kind.
 """
 
@@ -89,6 +90,24 @@ AUTO_ORDER: Dict[tuple, Tuple[str, ...]] = {
     ("gpu", TILE_GENERAL): ("pallas_mgpu", "pallas", "xla"),
 }
 
+#: ``kernel="auto"`` on short rows: per (platform, tile kind, head dim), ``(rows, order)``:
+#: a tile of at most ``rows`` query rows tries ``order`` first, a longer one
+#: ``AUTO_ORDER``'s.  Forward + backward through ``jax_seqpar.attention`` on one device,
+#: causal, bf16, 16k tokens a call, as a ratio to cuDNN (wall clock; device clock
+#: alike), one H100, JAX 0.11.2, 2026-11-27, two runs (``benchmarks/auto_order.py``,
+#: RESULTS.md "Short rows at D 128"):
+#:
+#: * Llama-3-8B's 32 / 8 heads: rows of 1k 1.32-1.33x, 2k 1.19-1.20x, 4k 1.10x,
+#:   8k 1.04-1.05x, 16k 0.98x;
+#: * Llama-2-7B's 32 / 32 heads: 2k 1.11-1.12x, 4k 1.05x, 8k 1.01-1.02x, 16k 0.97-0.98x.
+#:
+#: So ``pallas_mgpu`` comes first on aligned tiles of up to 8k rows at D 128 (a batch of
+#: short sequences, or a ring's diagonal tile of 8k tokens a device or fewer).  Measured
+#: on an H100 only; the forward alone is level or ahead at every length (1.00-1.13x).
+AUTO_ORDER_SHORT_ROWS: Dict[tuple, Tuple[int, Tuple[str, ...]]] = {
+    ("gpu", TILE_ALIGNED, 128): (8192, ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla")),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelRequest:
@@ -101,10 +120,14 @@ class KernelRequest:
     has_segments: bool = False
     tile: str = TILE_GENERAL
     bwd_has_o: bool = True  # the backward will be given the forward output ``o``
+    rows: Optional[int] = None  # the tile's query rows where known (``AUTO_ORDER_SHORT_ROWS``)
 
     def __post_init__(self):
         if self.tile not in TILE_KINDS:
             raise ValueError(f"tile={self.tile!r} must be one of {TILE_KINDS}")
+        if self.rows is not None and (isinstance(self.rows, bool)
+                                      or not isinstance(self.rows, int) or self.rows < 1):
+            raise ValueError(f"rows={self.rows!r} must be a positive int or None")
 
 
 def index_masked_tile(name: str, mask: MaskSpec, tile: str, why: str,
@@ -163,12 +186,24 @@ def available_kernels() -> Tuple[str, ...]:
     return tuple(sorted(_REGISTRY, key=lambda n: -_REGISTRY[n].priority))
 
 
-def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None
-                    ) -> Tuple[str, ...]:
-    """The order in which ``kernel="auto"`` tries backends for this platform, tile kind
-    and head dim: ``AUTO_ORDER``'s entry for the head dim if it has one, else the tile
-    kind's, then every other registered backend by priority."""
-    order = AUTO_ORDER.get((platform, tile, head_dim), AUTO_ORDER.get((platform, tile), ()))
+def short_rows_limit(platform: str, tile: str, head_dim: Optional[int]) -> Optional[int]:
+    """The row count up to which ``AUTO_ORDER_SHORT_ROWS`` orders this platform, tile kind
+    and head dim, or None where it has no entry."""
+    entry = AUTO_ORDER_SHORT_ROWS.get((platform, tile, head_dim))
+    return None if entry is None else entry[0]
+
+
+def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None,
+                    rows: Optional[int] = None) -> Tuple[str, ...]:
+    """The order in which ``kernel="auto"`` tries backends for this platform, tile kind,
+    head dim and (where known) the tile's query rows: ``AUTO_ORDER_SHORT_ROWS``'s entry
+    when the rows are at most its limit, else ``AUTO_ORDER``'s entry for the head dim if
+    it has one, else the tile kind's; then every other registered backend by priority."""
+    short = AUTO_ORDER_SHORT_ROWS.get((platform, tile, head_dim))
+    if short is not None and rows is not None and rows <= short[0]:
+        order = short[1]
+    else:
+        order = AUTO_ORDER.get((platform, tile, head_dim), AUTO_ORDER.get((platform, tile), ()))
     first = tuple(n for n in order if n in _REGISTRY)
     return first + tuple(n for n in available_kernels() if n not in first)
 
@@ -179,7 +214,8 @@ def get_kernel(name: str, request: KernelRequest) -> AttentionKernel:
         raise TypeError(f"kernel={name!r} must be a string")
     if name == "auto":
         reasons = []
-        for cand in auto_candidates(request.platform, request.tile, request.head_dim):
+        for cand in auto_candidates(request.platform, request.tile, request.head_dim,
+                                    request.rows):
             entry = _REGISTRY[cand]
             if request.platform not in entry.platforms:
                 continue

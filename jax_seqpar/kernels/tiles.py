@@ -10,6 +10,10 @@ accepts it (``base.AUTO_ORDER``), a backend name forces that backend on every ti
 raises, when a tile of a kind it refuses comes up, an error naming the kind and the
 backend's reason.
 
+With ``"auto"``, a tile kind that ``base.AUTO_ORDER_SHORT_ROWS`` orders by row count gets
+a second backend for tiles of at most that many query rows, and each tile is routed by
+its own row count (known when it is traced), the same in its forward and backward.
+
 ``TileKernels`` itself follows the kernel contract (``fwd``/``bwd`` with an extra
 ``tile=`` keyword), so a strategy calls it as it would call one backend.
 """
@@ -20,7 +24,8 @@ import dataclasses
 from typing import Dict, Optional, Tuple, Union
 
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, TILE_KINDS,
-                                     AttentionKernel, KernelRequest, get_kernel)
+                                     AttentionKernel, KernelRequest, get_kernel,
+                                     short_rows_limit)
 from jax_seqpar.masks import MaskSpec
 
 _NO_MASK = MaskSpec()
@@ -56,8 +61,19 @@ class TileKernels:
                 refused[tile] = str(e)
         if not chosen:  # nothing at all: say why for the simplest kind
             raise NotImplementedError(refused[TILE_DENSE])
+        short: Dict[str, Tuple[int, AttentionKernel]] = {}
+        for tile in chosen:
+            limit = (short_rows_limit(self.request.platform, tile, self.request.head_dim)
+                     if self.spec == "auto" else None)
+            if limit is None:
+                continue
+            kern = get_kernel("auto", dataclasses.replace(
+                _request_for(self.request, tile), rows=limit))
+            if getattr(kern, "name", None) != getattr(chosen[tile], "name", None):
+                short[tile] = (limit, kern)
         object.__setattr__(self, "_chosen", chosen)
         object.__setattr__(self, "_refused", refused)
+        object.__setattr__(self, "_short", short)
 
     # -- identity (static argument of jit / custom_vjp) ---------------------------------
     def _key(self):
@@ -88,16 +104,25 @@ class TileKernels:
                     if t in self._chosen else None) for t in TILE_KINDS}
 
     @property
+    def short_rows(self) -> Dict[str, Tuple[int, str]]:
+        """``{tile kind: (rows, backend name)}``: the kinds whose tiles of at most
+        ``rows`` query rows go to another backend (``base.AUTO_ORDER_SHORT_ROWS``)."""
+        return {t: (limit, getattr(k, "name", type(k).__name__))
+                for t, (limit, k) in self._short.items()}
+
+    @property
     def name(self) -> str:
         names = {n for n in self.choices.values() if n is not None}
-        if len(names) == 1:
+        short = ", ".join(f"{t}<={limit}={n}" for t, (limit, n) in self.short_rows.items())
+        if len(names) == 1 and not short:
             return names.pop()
-        return ", ".join(f"{t}={n}" for t, n in self.choices.items() if n is not None)
+        return ", ".join([f"{t}={n}" for t, n in self.choices.items() if n is not None]
+                         + ([short] if short else []))
 
     @property
     def kernels(self) -> Tuple[AttentionKernel, ...]:
         seen = []
-        for k in self._chosen.values():
+        for k in (*self._chosen.values(), *(k for _, k in self._short.values())):
             if all(k is not s for s in seen):
                 seen.append(k)
         return tuple(seen)
@@ -115,17 +140,34 @@ class TileKernels:
     def skips_masked_blocks(self) -> bool:
         """Whether the backend of aligned tiles skips a causal tile's masked key blocks
         inside the kernel (``base.py``); False when aligned tiles are refused."""
+        kerns = [self._chosen.get(TILE_ALIGNED)]
+        if TILE_ALIGNED in self._short:
+            kerns.append(self._short[TILE_ALIGNED][1])
+        return all(bool(getattr(k, "skips_masked_blocks", False)) for k in kerns)
+
+    def skips_masked_blocks_for(self, rows: int) -> bool:
+        """``skips_masked_blocks`` of the backend that serves an aligned tile of ``rows``
+        query rows (the one ``auto`` routes it to)."""
         kern = self._chosen.get(TILE_ALIGNED)
+        short = self._short.get(TILE_ALIGNED)
+        if short is not None and rows <= short[0]:
+            kern = short[1]
         return bool(getattr(kern, "skips_masked_blocks", False))
 
     def check(self, request: KernelRequest) -> None:
-        self.kernel_for(request.tile).check(request)
+        kern = self.kernel_for(request.tile)
+        short = self._short.get(request.tile)
+        if short is not None and request.rows is not None and request.rows <= short[0]:
+            kern = short[1]
+        kern.check(request)
 
     # -- the contract, routed by tile kind ----------------------------------------------
-    def _route(self, mask: MaskSpec, tile: str):
+    def _route(self, mask: MaskSpec, tile: str, rows: int):
         if mask.is_dense:
             tile = TILE_DENSE
         kern = self.kernel_for(tile)
+        if tile in self._short and rows <= self._short[tile][0]:
+            kern = self._short[tile][1]
         extra = {"tile": tile} if getattr(kern, "tile_aware", False) else {}
         return kern, extra
 
@@ -133,14 +175,14 @@ class TileKernels:
             kv_seg=None, *, tile: str = TILE_GENERAL, need_lse: bool = True):
         """``(o, lse)``.  ``need_lse=False`` (the caller discards lse) lets a backend with
         ``skips_lse`` run a cheaper forward; lse may then be None."""
-        kern, extra = self._route(mask, tile)
+        kern, extra = self._route(mask, tile, q.shape[1])
         if not need_lse and getattr(kern, "skips_lse", False):
             extra["with_lse"] = False
         return kern.fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, **extra)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
-        kern, extra = self._route(mask, tile)
+        kern, extra = self._route(mask, tile, q.shape[1])
         return kern.bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
                         delta=delta, **extra)
 

@@ -86,7 +86,7 @@ def _zigzag_share(cfg, q_seg, qs, kv_seg, ks):
     return shares_document(_seg(q_seg, qs), _seg(kv_seg, ks))
 
 
-def _whole_own(cfg, q_seg, half) -> bool:
+def _whole_own(cfg, q_seg, half, rows: int) -> bool:
     """Whether a device's own block runs as one kernel call rather than as its causal
     halves (never under selective checkpointing's halves).  The halves exist to hand
     backends that read no positions (cuDNN) aligned and mask-free tiles, and to spare
@@ -99,14 +99,12 @@ def _whole_own(cfg, q_seg, half) -> bool:
     * Contiguous layout, a backend that skips masked blocks itself
       (``skips_masked_blocks``): the block is one aligned tile.  On one H100 the halves
       cost cuDNN 15% at 16 rows of 4096 tokens (RESULTS.md, "Packed documents against
-      the same documents as a batch")."""
+      the same documents as a batch").  ``rows``: the block's query rows, which
+      choose its backend where ``auto`` orders by row count."""
     if half is not None:
         return False
-    return q_seg is not None or (cfg.layout == "contiguous" and _skips_masked_blocks(cfg))
-
-
-def _skips_masked_blocks(cfg) -> bool:
-    return bool(getattr(cfg.kernel, "skips_masked_blocks", False))
+    return q_seg is not None or (cfg.layout == "contiguous"
+                                 and cfg.kernel.skips_masked_blocks_for(rows))
 
 
 def _general_aligned(cfg, same: bool) -> bool:
@@ -187,7 +185,7 @@ def pair_fwd(cfg, q, k, v, q_pos, kv_pos, q_seg, kv_seg, q_dev, kv_dev, *, same:
                                 tile=tile_kind(mask, aligned))
         return o.astype(F32), lse  # backends may return o in the input dtype
 
-    if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(cfg, q_seg, half))):
+    if not _structured(cfg) or (same and (k.shape[1] % 2 or _whole_own(cfg, q_seg, half, T))):
         aligned = _general_aligned(cfg, same) and half is None
         return _general(cfg, q_pos, kv_pos, empty,
                         lambda: call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, aligned),
@@ -279,7 +277,7 @@ def pair_bwd(cfg, q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, q_dev, 
         return None if o is None else o[:, sl]
 
     T = q.shape[1]
-    if not _structured(cfg) or (same and (T % 2 or _whole_own(cfg, q_seg, None))):
+    if not _structured(cfg) or (same and (T % 2 or _whole_own(cfg, q_seg, None, T))):
         return _general(cfg, q_pos, kv_pos, zeros, lambda: call(
             q, k, v, lse, do, delta, q_pos, kv_pos, q_seg, kv_seg, cfg.mask, o,
             _general_aligned(cfg, same)), None if same else _pair_share(cfg, q_seg, kv_seg),
