@@ -48,6 +48,8 @@ SHAPES = [
     ("llama8b 2x8k", 2, 8192, 32, 8, 128),
     ("llama2 8x2k", 8, 2048, 32, 32, 128), ("llama2 4x4k", 4, 4096, 32, 32, 128),
     ("llama2 2x8k", 2, 8192, 32, 32, 128), ("llama2 1x16k", 1, 16384, 32, 32, 128),
+    # and at D 64 (SmolLM2's heads, 64k tokens a call)
+    ("smollm2 64x1k", 64, 1024, 9, 3, 64), ("smollm2 32x2k", 32, 2048, 9, 3, 64),
 ]
 DEFAULT_SHAPES = SHAPES[:6]
 DRY_SHAPES = [("dry d64", 2, 64, 4, 2, 64), ("dry d128", 1, 64, 4, 4, 128)]
