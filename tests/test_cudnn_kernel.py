@@ -229,6 +229,24 @@ def test_auto_routes_each_aligned_tile_by_its_rows(fake_gpu, monkeypatch, S, sho
         assert {rows for _, causal, rows, _ in fake_gpu if causal} == {S // G}
 
 
+def test_a_dense_tile_is_short_only_when_both_sides_are(fake_gpu, monkeypatch):
+    """A tile goes to the short-rows backend when its query rows and its keys are both
+    within the limit (the entries were measured with as many keys as rows): 16 x 16 to
+    xla, 8 x 32 and 32 x 8 to the "cuDNN" stand-in."""
+    monkeypatch.setitem(base.AUTO_ORDER_SHORT_ROWS, ("gpu", TILE_DENSE, 16),
+                        (16, ("xla", "cudnn", "tokamax", "pallas_mgpu", "pallas")))
+    tk = TileKernels("auto", _request(head_dim=16))
+    assert tk.short_rows == {TILE_DENSE: (16, "xla")}
+    for Tq, Tk, short in ((16, 16, True), (8, 32, False), (32, 8, False)):
+        CALLS.clear()
+        q, _, _ = helpers.make_qkv(Tq, B=1, S=Tq, Hq=2, Hkv=2, D=16, dtype=BF16)
+        _, k, v = helpers.make_qkv(Tk, B=1, S=Tk, Hq=2, Hkv=2, D=16, dtype=BF16)
+        o, lse = tk.fwd(q, k, v, jnp.arange(Tq), jnp.arange(Tk), MaskSpec(), 0.25,
+                        tile=TILE_DENSE)
+        assert o.shape == q.shape and lse.shape == (1, 2, Tq)
+        assert (CALLS == []) == short, (Tq, Tk, CALLS)
+
+
 def test_a_head_dim_entry_reorders_only_its_head_dim(monkeypatch):
     """``auto_candidates`` takes the head dim's entry where AUTO_ORDER has one, the tile
     kind's otherwise, then the remaining backends by priority."""

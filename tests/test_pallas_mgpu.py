@@ -147,23 +147,24 @@ def test_auto_on_hopper(kw, want, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,want", [
-    (dict(), {TILE_ALIGNED: (8192, "pallas_mgpu")}),  # D 128: cuDNN above 8k rows
+    (dict(), {TILE_ALIGNED: (8192, "pallas_mgpu"),   # D 128: cuDNN above 8k rows,
+              TILE_DENSE: (2048, "pallas_mgpu")}),     # and above 2k without a mask
     (dict(head_dim=64), {}),                           # D 64: pallas_mgpu at any length
     (dict(has_segments=True), {}),                     # pallas_mgpu already everywhere
     (dict(dtype="float32"), {}),                       # neither serves float32 here
 ])
 def test_auto_on_hopper_gives_short_aligned_tiles_to_the_hopper_kernel(kw, want,
                                                                       monkeypatch):
-    """base.AUTO_ORDER_SHORT_ROWS: at D 128 aligned tiles of up to 8k rows go to
-    ``pallas_mgpu`` (forward + backward 1.04-1.33x cuDNN's on one H100), longer ones to
-    cuDNN; the call's name says both."""
+    """base.AUTO_ORDER_SHORT_ROWS: at D 128 aligned tiles of up to 8k rows and dense ones
+    of up to 2k go to ``pallas_mgpu`` (forward + backward 1.03-1.33x cuDNN's on one H100),
+    longer ones to cuDNN; the call's name says both."""
     monkeypatch.setattr(pallas_mgpu, "is_hopper", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_module", lambda: None)
     tk = TileKernels("auto", _request(**kw))
     assert tk.short_rows == want
     if want:
         assert tk.name == ("dense=cudnn, aligned=cudnn, general=pallas_mgpu, "
-                           "aligned<=8192=pallas_mgpu")
+                           "dense<=2048=pallas_mgpu, aligned<=8192=pallas_mgpu")
         assert tk.skips_masked_blocks and tk.needs_o
         short = KernelRequest(platform="gpu", dtype="bfloat16", head_dim=128,
                               mask=MaskSpec(causal=True), tile=TILE_ALIGNED, rows=8192)

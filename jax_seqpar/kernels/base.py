@@ -41,7 +41,7 @@ A backend that cannot honour a request raises ``NotImplementedError`` saying why
 ``kernel="auto"`` picks, per tile kind (and head dim where one measured differently), the
 first backend of ``AUTO_ORDER`` (measured speeds) that accepts it, then the other
 registered backends by priority; ``AUTO_ORDER_SHORT_ROWS`` overrides that order for
-tiles of few query rows where those measured differently.
+tiles of few rows and keys where those measured differently.
 ``TileKernels`` resolves one call's backend for each tile kind.
 """
 
@@ -91,21 +91,24 @@ AUTO_ORDER: Dict[tuple, Tuple[str, ...]] = {
 }
 
 #: ``kernel="auto"`` on short rows: per (platform, tile kind, head dim), ``(rows, order)``:
-#: a tile of at most ``rows`` query rows tries ``order`` first, a longer one
-#: ``AUTO_ORDER``'s.  Forward + backward through ``jax_seqpar.attention`` on one device,
-#: causal, bf16, 16k tokens a call, as a ratio to cuDNN (wall clock; device clock
-#: alike), one H100, JAX 0.11.2, 2026-11-27, two runs (``benchmarks/auto_order.py``,
-#: RESULTS.md "Short rows at D 128"):
+#: a tile whose query rows and keys are both at most ``rows`` tries ``order`` first, a
+#: longer one ``AUTO_ORDER``'s.  Forward + backward through ``jax_seqpar.attention`` on
+#: one device, bf16, 16k tokens a call (as many keys as rows), as a ratio to cuDNN (wall
+#: clock; device clock alike), one H100, JAX 0.11.2, 2026-11-27 (``benchmarks/
+#: auto_order.py``, RESULTS.md "Short rows at D 128"):
 #:
-#: * Llama-3-8B's 32 / 8 heads: rows of 1k 1.32-1.33x, 2k 1.19-1.20x, 4k 1.10x,
-#:   8k 1.04-1.05x, 16k 0.98x;
-#: * Llama-2-7B's 32 / 32 heads: 2k 1.11-1.12x, 4k 1.05x, 8k 1.01-1.02x, 16k 0.97-0.98x.
+#: * causal, three runs: Llama-3-8B's 32 / 8 heads at rows of 1k 1.31-1.33x, 2k
+#:   1.19-1.20x, 4k 1.09-1.10x, 8k 1.03-1.05x, 16k 0.98x; Llama-2-7B's 32 / 32 heads at 2k
+#:   1.11-1.12x, 4k 1.05-1.07x, 8k 1.01-1.02x, 16k 0.97-0.98x;
+#: * no mask, three runs: 32 / 8 heads at 1k 1.20-1.22x, 2k 1.08-1.10x, 4k 0.99-1.00x;
+#:   32 / 32 at 2k 1.03-1.06x, 4k 0.99x; 16k 0.96x.
 #:
-#: So ``pallas_mgpu`` comes first on aligned tiles of up to 8k rows at D 128 (a batch of
-#: short sequences, or a ring's diagonal tile of 8k tokens a device or fewer).  Measured
-#: on an H100 only; the forward alone is level or ahead at every length (1.00-1.13x).
+#: So ``pallas_mgpu`` comes first at D 128 on aligned tiles of up to 8k rows (a batch of
+#: short sequences, or a ring's diagonal tile of 8k tokens a device or fewer) and on
+#: dense ones of up to 2k.  Measured on an H100 only.
 AUTO_ORDER_SHORT_ROWS: Dict[tuple, Tuple[int, Tuple[str, ...]]] = {
     ("gpu", TILE_ALIGNED, 128): (8192, ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla")),
+    ("gpu", TILE_DENSE, 128): (2048, ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla")),
 }
 
 
@@ -120,7 +123,7 @@ class KernelRequest:
     has_segments: bool = False
     tile: str = TILE_GENERAL
     bwd_has_o: bool = True  # the backward will be given the forward output ``o``
-    rows: Optional[int] = None  # the tile's query rows where known (``AUTO_ORDER_SHORT_ROWS``)
+    rows: Optional[int] = None  # the tile's longer side where known (``AUTO_ORDER_SHORT_ROWS``)
 
     def __post_init__(self):
         if self.tile not in TILE_KINDS:
@@ -196,8 +199,8 @@ def short_rows_limit(platform: str, tile: str, head_dim: Optional[int]) -> Optio
 def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None,
                     rows: Optional[int] = None) -> Tuple[str, ...]:
     """The order in which ``kernel="auto"`` tries backends for this platform, tile kind,
-    head dim and (where known) the tile's query rows: ``AUTO_ORDER_SHORT_ROWS``'s entry
-    when the rows are at most its limit, else ``AUTO_ORDER``'s entry for the head dim if
+    head dim and (where known) the tile's ``rows``, the longer of its query and key
+    sides: ``AUTO_ORDER_SHORT_ROWS``'s entry when the rows are at most its limit, else ``AUTO_ORDER``'s entry for the head dim if
     it has one, else the tile kind's; then every other registered backend by priority."""
     short = AUTO_ORDER_SHORT_ROWS.get((platform, tile, head_dim))
     if short is not None and rows is not None and rows <= short[0]:

@@ -11,8 +11,9 @@ raises, when a tile of a kind it refuses comes up, an error naming the kind and 
 backend's reason.
 
 With ``"auto"``, a tile kind that ``base.AUTO_ORDER_SHORT_ROWS`` orders by row count gets
-a second backend for tiles of at most that many query rows, and each tile is routed by
-its own row count (known when it is traced), the same in its forward and backward.
+a second backend for tiles of at most that many query rows and keys, and each tile is
+routed by its own longer side (known when it is traced), the same in its forward and
+backward.
 
 ``TileKernels`` itself follows the kernel contract (``fwd``/``bwd`` with an extra
 ``tile=`` keyword), so a strategy calls it as it would call one backend.
@@ -106,7 +107,7 @@ class TileKernels:
     @property
     def short_rows(self) -> Dict[str, Tuple[int, str]]:
         """``{tile kind: (rows, backend name)}``: the kinds whose tiles of at most
-        ``rows`` query rows go to another backend (``base.AUTO_ORDER_SHORT_ROWS``)."""
+        ``rows`` query rows and keys go to another backend (``base.AUTO_ORDER_SHORT_ROWS``)."""
         return {t: (limit, getattr(k, "name", type(k).__name__))
                 for t, (limit, k) in self._short.items()}
 
@@ -147,7 +148,7 @@ class TileKernels:
 
     def skips_masked_blocks_for(self, rows: int) -> bool:
         """``skips_masked_blocks`` of the backend that serves an aligned tile of ``rows``
-        query rows (the one ``auto`` routes it to)."""
+        query rows and keys (the one ``auto`` routes it to)."""
         kern = self._chosen.get(TILE_ALIGNED)
         short = self._short.get(TILE_ALIGNED)
         if short is not None and rows <= short[0]:
@@ -175,14 +176,14 @@ class TileKernels:
             kv_seg=None, *, tile: str = TILE_GENERAL, need_lse: bool = True):
         """``(o, lse)``.  ``need_lse=False`` (the caller discards lse) lets a backend with
         ``skips_lse`` run a cheaper forward; lse may then be None."""
-        kern, extra = self._route(mask, tile, q.shape[1])
+        kern, extra = self._route(mask, tile, max(q.shape[1], k.shape[1]))
         if not need_lse and getattr(kern, "skips_lse", False):
             extra["with_lse"] = False
         return kern.fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, **extra)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
-        kern, extra = self._route(mask, tile, q.shape[1])
+        kern, extra = self._route(mask, tile, max(q.shape[1], k.shape[1]))
         return kern.bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
                         delta=delta, **extra)
 
