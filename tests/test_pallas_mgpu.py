@@ -149,12 +149,11 @@ def test_auto_on_hopper(kw, want, monkeypatch):
 @pytest.mark.parametrize("kw,want", [
     (dict(), {TILE_ALIGNED: (8192, "pallas_mgpu"),   # D 128: cuDNN above 8k rows,
               TILE_DENSE: (2048, "pallas_mgpu")}),     # and above 2k without a mask
-    (dict(head_dim=64), {}),                           # D 64: pallas_mgpu at any length
+    (dict(head_dim=64), {}),          # D 64: aligned on pallas_mgpu, dense on cuDNN, any length
     (dict(has_segments=True), {}),                     # pallas_mgpu already everywhere
     (dict(dtype="float32"), {}),                       # neither serves float32 here
 ])
-def test_auto_on_hopper_gives_short_aligned_tiles_to_the_hopper_kernel(kw, want,
-                                                                      monkeypatch):
+def test_auto_on_hopper_gives_short_tiles_to_the_hopper_kernel(kw, want, monkeypatch):
     """base.AUTO_ORDER_SHORT_ROWS: at D 128 aligned tiles of up to 8k rows and dense ones
     of up to 2k go to ``pallas_mgpu`` (forward + backward 1.03-1.33x cuDNN's on one H100),
     longer ones to cuDNN; the call's name says both."""

@@ -200,8 +200,9 @@ def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None,
                     rows: Optional[int] = None) -> Tuple[str, ...]:
     """The order in which ``kernel="auto"`` tries backends for this platform, tile kind,
     head dim and (where known) the tile's ``rows``, the longer of its query and key
-    sides: ``AUTO_ORDER_SHORT_ROWS``'s entry when the rows are at most its limit, else ``AUTO_ORDER``'s entry for the head dim if
-    it has one, else the tile kind's; then every other registered backend by priority."""
+    sides: ``AUTO_ORDER_SHORT_ROWS``'s entry when the rows are at most its limit, else
+    ``AUTO_ORDER``'s entry for the head dim if it has one, else the tile kind's; then
+    every other registered backend by priority."""
     short = AUTO_ORDER_SHORT_ROWS.get((platform, tile, head_dim))
     if short is not None and rows is not None and rows <= short[0]:
         order = short[1]
