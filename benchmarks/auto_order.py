@@ -56,9 +56,9 @@ DRY_SHAPES = [("dry d64", 2, 64, 4, 2, 64), ("dry d128", 1, 64, 4, 4, 128)]
 BUDGET = 2e-2
 
 
-def _fns(mesh, kernel, causal):
+def _fns(mesh, kernel, causal, window=None):
     def f(q, k, v):
-        return jsp.attention(q, k, v, mesh=mesh, causal=causal, kernel=kernel)
+        return jsp.attention(q, k, v, mesh=mesh, causal=causal, window=window, kernel=kernel)
 
     def fb(q, k, v, do):
         o, vjp = jax.vjp(f, q, k, v)
@@ -66,7 +66,15 @@ def _fns(mesh, kernel, causal):
     return jax.jit(f), jax.jit(fb)
 
 
-def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh):
+def window_flops(B, H, S, D, left):
+    """Forward FLOPs of causal attention under a sliding window: query ``i`` sees keys
+    ``i - left .. i`` (``min(i, left) + 1`` of them)."""
+    visible = sum(min(i, left) + 1 for i in range(S))
+    return 4 * B * H * D * visible
+
+
+def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh, window=None):
+    """``window``: a sliding window ``(left, 0)`` on top of the causal mask, or None."""
     label, B, S, Hq, Hkv, D = shape
     keys = jax.random.split(jax.random.PRNGKey(S + D + B), 4)
     q = jax.random.normal(keys[0], (B, S, Hq, D), jnp.bfloat16)
@@ -75,7 +83,7 @@ def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh):
     do = jax.random.normal(keys[3], (B, S, Hq, D), jnp.bfloat16)
     calls, outs = {}, {}
     for name in kernels:
-        f, fb = _fns(mesh, name, causal)
+        f, fb = _fns(mesh, name, causal, window)
         try:
             outs[name] = jax.block_until_ready(fb(q, k, v, do))
             jax.block_until_ready(f(q, k, v))
@@ -97,10 +105,12 @@ def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh):
             jax.block_until_ready(fn(*args))
             wall[key].append(time.perf_counter() - t0)
     dev = device_rounds(calls, dev_rounds, seed=S + D + B)
-    fl = attn_flops(B, Hq, S, D, causal)
+    fl = (window_flops(B, Hq, S, D, window[0]) if window is not None
+          else attn_flops(B, Hq, S, D, causal))
     rows = []
     for n in names:
-        row = dict(shape=label, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal, kernel=n,
+        row = dict(shape=label, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
+                   window=None if window is None else list(window), kernel=n,
                    rel_err_vs_first=errs[n], ok=errs[n] <= BUDGET)
         for ph, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
             t = np.array(wall[f"{n} {ph}"])
@@ -112,7 +122,9 @@ def run_shape(shape, kernels, causal, rounds, dev_rounds, mesh):
                 row[f"{ph}_device_ms"] = dev[f"{n} {ph}"]
                 row[f"{ph}_vs_first_device"] = dev[f"{first} {ph}"] / dev[f"{n} {ph}"]
         rows.append(row)
-        print(f"{label:15s} causal={causal!s:5s} {n:12s} fwd {row['fwd_tflops']:6.1f} TFLOP/s "
+        print(f"{label:15s} causal={causal!s:5s}"
+              + (f" window={window[0]}" if window is not None else "")
+              + f" {n:12s} fwd {row['fwd_tflops']:6.1f} TFLOP/s "
               f"({row['fwd_vs_first']:.3f}x)  fwd+bwd {row['fwdbwd_tflops']:6.1f} "
               f"({row['fwdbwd_vs_first']:.3f}x)"
               + (f"  device {row['fwd_vs_first_device']:.3f}x / "
@@ -127,7 +139,10 @@ def main(argv=None):
     p.add_argument("--kernels", default="cudnn,pallas_mgpu,tokamax,auto",
                    help="backends, the first is the ratios' denominator")
     p.add_argument("--shapes", default=None, help="names from SHAPES, comma-separated")
-    p.add_argument("--masks", default="causal,none")
+    p.add_argument("--masks", default="causal,none",
+                   help="causal, none and/or window (causal with --window keys back)")
+    p.add_argument("--window", type=int, default=2048,
+                   help="the sliding window's left side for --masks window")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--device-rounds", type=int, default=5)
     p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (xla kernel)")
@@ -141,8 +156,10 @@ def main(argv=None):
             p.error(f"--shapes: unknown {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
         shapes = [s for s in SHAPES if s[0] in want]
     masks = a.masks.split(",")
-    if set(masks) - {"causal", "none"}:
-        p.error(f"--masks takes causal and/or none, not {a.masks!r}")
+    if set(masks) - {"causal", "none", "window"}:
+        p.error(f"--masks takes causal, none and/or window, not {a.masks!r}")
+    if a.window < 1:
+        p.error(f"--window must be a positive number of keys, not {a.window}")
     rounds, dev_rounds = (2, 0) if a.dry_run else (a.rounds, a.device_rounds)
     mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
     info = env_info()
@@ -150,7 +167,8 @@ def main(argv=None):
     rows = []
     for shape in shapes:
         for m in masks:
-            rows += run_shape(shape, kernels, m == "causal", rounds, dev_rounds, mesh)
+            window = (a.window, 0) if m == "window" else None
+            rows += run_shape(shape, kernels, m != "none", rounds, dev_rounds, mesh, window)
     ok = all(r["ok"] for r in rows)
     for D in sorted({r["D"] for r in rows}):
         for n in kernels[1:]:

@@ -188,14 +188,16 @@ def test_short_rows_reorder_only_tiles_of_that_many_rows(monkeypatch):
         _request(rows=0)
 
 
-@pytest.mark.parametrize("S,short", [(32, True), (64, False)])
-def test_auto_routes_each_aligned_tile_by_its_rows(fake_gpu, monkeypatch, S, short):
+@pytest.mark.parametrize("S,window,short", [(32, None, True), (64, None, False),
+                                             (64, (7, 0), True)])
+def test_auto_routes_each_aligned_tile_by_its_rows(fake_gpu, monkeypatch, S, window, short):
     """With a short-rows entry (a stand-in one: xla for aligned tiles of up to 16 rows at
-    D 16), ``auto`` routes a ring's diagonal block by its rows, in the forward and the
+    D 16), ``auto`` routes a ring's diagonal block by its length, in the forward and the
     backward alike.  A block of 16 rows goes to xla, which does not skip masked key
     blocks, so it gets the block's causal halves (8 rows; ``pairs._whole_own``); one of
-    32 rows goes whole to the "cuDNN" stand-in.  Dense tiles stay on cuDNN.  The result
-    matches the reference either way."""
+    32 rows goes whole to the "cuDNN" stand-in, unless a window of 8 keys makes it short
+    (``tiles.route_length``; the window's other tiles are general ones, which "cuDNN"
+    refuses).  Dense tiles stay on cuDNN.  The result matches the reference every time."""
     monkeypatch.setitem(base.AUTO_ORDER_SHORT_ROWS, ("gpu", TILE_ALIGNED, 16),
                         (16, ("xla", "cudnn", "tokamax", "pallas_mgpu", "pallas")))
     xla_rows = []
@@ -213,20 +215,34 @@ def test_auto_routes_each_aligned_tile_by_its_rows(fake_gpu, monkeypatch, S, sho
     G = 2
     q, k, v = helpers.make_qkv(5, B=1, S=S, Hq=4, Hkv=2, D=16, dtype=BF16)
     do = helpers.make_cotangent(5, q.shape, BF16)
-    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=True)
-    out, grads = helpers.ring_fwd_bwd(G, True, "contiguous", "kv", None, "auto")(q, k, v, do)
+    ref_out, _, ref_grads = helpers.reference_fwd_bwd(q, k, v, do, causal=True,
+                                                      window=window)
+    out, grads = helpers.ring_fwd_bwd(G, True, "contiguous", "kv", window, "auto")(q, k, v,
+                                                                                   do)
     helpers.assert_close(out, ref_out, 2e-2, "out")
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         helpers.assert_close(g, r, 2e-2, name)
     causal_cudnn = {kind for kind, causal, _, _ in fake_gpu if causal}
     dense_cudnn = {kind for kind, causal, _, _ in fake_gpu if not causal}
-    assert dense_cudnn >= {"fwd", "bwd"}  # the off-diagonal tile, either way
-    if short:
-        assert sorted(set(xla_rows)) == [("bwd", S // G // 2), ("fwd", S // G // 2)]
-        assert not causal_cudnn
+    if window is None:  # the off-diagonal tile (under the window it is a general one)
+        assert dense_cudnn >= {"fwd", "bwd"}
+    if short:  # no aligned tile reached "cuDNN"
+        assert not causal_cudnn and xla_rows
+        if window is None:
+            assert sorted(set(xla_rows)) == [("bwd", S // G // 2), ("fwd", S // G // 2)]
     else:
         assert not xla_rows and causal_cudnn >= {"fwd", "bwd"}
         assert {rows for _, causal, rows, _ in fake_gpu if causal} == {S // G}
+
+
+def test_route_length_is_the_longer_side_or_the_window():
+    from jax_seqpar.kernels.tiles import route_length
+    assert route_length(MaskSpec(), 8, 32) == 32
+    assert route_length(MaskSpec(causal=True), 16384, 16384) == 16384
+    assert route_length(MaskSpec(causal=True, window=(2047, 0)), 16384, 16384) == 2048
+    assert route_length(MaskSpec(window=(4, 4)), 64, 64) == 9
+    assert route_length(MaskSpec(window=(4, 4)), 5, 5) == 5
+    assert route_length(MaskSpec(causal=True, window=(2**31 - 1, 0)), 64, 64) == 64
 
 
 def test_a_dense_tile_is_short_only_when_both_sides_are(fake_gpu, monkeypatch):

@@ -103,9 +103,13 @@ AUTO_ORDER: Dict[tuple, Tuple[str, ...]] = {
 #: * no mask, three runs: 32 / 8 heads at 1k 1.20-1.22x, 2k 1.08-1.10x, 4k 0.99-1.00x;
 #:   32 / 32 at 2k 1.03-1.06x, 4k 0.99x; 16k 0.96x.
 #:
-#: So ``pallas_mgpu`` comes first at D 128 on aligned tiles of up to 8k rows (a batch of
-#: short sequences, or a ring's diagonal tile of 8k tokens a device or fewer) and on
-#: dense ones of up to 2k.  Measured on an H100 only.
+#: * causal with a sliding window of 2048 keys, two runs: 32 / 8 heads at rows of 4k
+#:   1.13-1.15x, 8k 1.10-1.11x, 16k 1.07-1.09x; 32 / 32 at 8k 1.06-1.07x.  A window makes
+#:   every row short: ``tiles.route_length`` counts the keys a query may see.
+#:
+#: So ``pallas_mgpu`` comes first at D 128 on aligned tiles of up to 8k rows or 8k keys
+#: of window (a batch of short sequences, a ring's diagonal tile of 8k tokens a device or
+#: fewer, a sliding window) and on dense ones of up to 2k.  Measured on an H100 only.
 AUTO_ORDER_SHORT_ROWS: Dict[tuple, Tuple[int, Tuple[str, ...]]] = {
     ("gpu", TILE_ALIGNED, 128): (8192, ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla")),
     ("gpu", TILE_DENSE, 128): (2048, ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla")),

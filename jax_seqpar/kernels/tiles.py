@@ -12,8 +12,8 @@ backend's reason.
 
 With ``"auto"``, a tile kind that ``base.AUTO_ORDER_SHORT_ROWS`` orders by row count gets
 a second backend for tiles of at most that many query rows and keys, and each tile is
-routed by its own longer side (known when it is traced), the same in its forward and
-backward.
+routed by its own length (``route_length``: its longer side, or the keys a query may see
+under a window if fewer; known when it is traced), the same in its forward and backward.
 
 ``TileKernels`` itself follows the kernel contract (``fwd``/``bwd`` with an extra
 ``tile=`` keyword), so a strategy calls it as it would call one backend.
@@ -30,6 +30,19 @@ from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, TIL
 from jax_seqpar.masks import MaskSpec
 
 _NO_MASK = MaskSpec()
+
+
+def route_length(mask: MaskSpec, rows: int, keys: int) -> int:
+    """The length of a ``rows x keys`` tile that ``base.AUTO_ORDER_SHORT_ROWS`` compares
+    with its limits: the longer side, or, under a window bounded on both sides, the keys
+    one query may see (``left + right + 1``) where fewer.  A window of 2k keys over rows
+    of 16k costs a kernel per row what rows of 2k do: at D 128 ``pallas_mgpu`` was
+    1.07-1.09x cuDNN there, as on short rows (RESULTS.md, "Short rows at D 128")."""
+    n = max(rows, keys)
+    left, right = mask.left_limit, mask.right_limit
+    if left is not None and right is not None:
+        n = min(n, max(left + right + 1, 1))
+    return n
 
 
 def _request_for(request: KernelRequest, tile: str) -> KernelRequest:
@@ -146,12 +159,12 @@ class TileKernels:
             kerns.append(self._short[TILE_ALIGNED][1])
         return all(bool(getattr(k, "skips_masked_blocks", False)) for k in kerns)
 
-    def skips_masked_blocks_for(self, rows: int) -> bool:
+    def skips_masked_blocks_for(self, rows: int, mask: MaskSpec = _NO_MASK) -> bool:
         """``skips_masked_blocks`` of the backend that serves an aligned tile of ``rows``
-        query rows and keys (the one ``auto`` routes it to)."""
+        query rows and keys under ``mask`` (the one ``auto`` routes it to)."""
         kern = self._chosen.get(TILE_ALIGNED)
         short = self._short.get(TILE_ALIGNED)
-        if short is not None and rows <= short[0]:
+        if short is not None and route_length(mask, rows, rows) <= short[0]:
             kern = short[1]
         return bool(getattr(kern, "skips_masked_blocks", False))
 
@@ -176,14 +189,14 @@ class TileKernels:
             kv_seg=None, *, tile: str = TILE_GENERAL, need_lse: bool = True):
         """``(o, lse)``.  ``need_lse=False`` (the caller discards lse) lets a backend with
         ``skips_lse`` run a cheaper forward; lse may then be None."""
-        kern, extra = self._route(mask, tile, max(q.shape[1], k.shape[1]))
+        kern, extra = self._route(mask, tile, route_length(mask, q.shape[1], k.shape[1]))
         if not need_lse and getattr(kern, "skips_lse", False):
             extra["with_lse"] = False
         return kern.fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg, **extra)
 
     def bwd(self, q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float,
             q_seg=None, kv_seg=None, delta=None, *, tile: str = TILE_GENERAL):
-        kern, extra = self._route(mask, tile, max(q.shape[1], k.shape[1]))
+        kern, extra = self._route(mask, tile, route_length(mask, q.shape[1], k.shape[1]))
         return kern.bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg,
                         delta=delta, **extra)
 
@@ -203,4 +216,5 @@ def tile_kernels(kernel, request: KernelRequest) -> TileKernels:
     return TileKernels(kernel, dataclasses.replace(request, tile=TILE_GENERAL))
 
 
-__all__ = ["TILE_ALIGNED", "TILE_DENSE", "TILE_GENERAL", "TileKernels", "tile_kernels"]
+__all__ = ["TILE_ALIGNED", "TILE_DENSE", "TILE_GENERAL", "TileKernels", "route_length",
+           "tile_kernels"]

@@ -104,7 +104,7 @@ def _whole_own(cfg, q_seg, half, rows: int) -> bool:
     if half is not None:
         return False
     return q_seg is not None or (cfg.layout == "contiguous"
-                                 and cfg.kernel.skips_masked_blocks_for(rows))
+                                 and cfg.kernel.skips_masked_blocks_for(rows, cfg.mask))
 
 
 def _general_aligned(cfg, same: bool) -> bool:
