@@ -159,29 +159,31 @@ class TileKernels:
             kerns.append(self._short[TILE_ALIGNED][1])
         return all(bool(getattr(k, "skips_masked_blocks", False)) for k in kerns)
 
+    def kernel_at(self, tile: str, length: Optional[int]) -> AttentionKernel:
+        """The backend of a ``tile`` of ``length`` (``route_length``; None: unknown, the
+        kind's backend for any length), or ``NotImplementedError`` as ``kernel_for``."""
+        kern = self.kernel_for(tile)
+        short = self._short.get(tile)
+        if short is not None and length is not None and length <= short[0]:
+            kern = short[1]
+        return kern
+
     def skips_masked_blocks_for(self, rows: int, mask: MaskSpec = _NO_MASK) -> bool:
         """``skips_masked_blocks`` of the backend that serves an aligned tile of ``rows``
         query rows and keys under ``mask`` (the one ``auto`` routes it to)."""
-        kern = self._chosen.get(TILE_ALIGNED)
-        short = self._short.get(TILE_ALIGNED)
-        if short is not None and route_length(mask, rows, rows) <= short[0]:
-            kern = short[1]
+        if TILE_ALIGNED not in self._chosen:
+            return False
+        kern = self.kernel_at(TILE_ALIGNED, route_length(mask, rows, rows))
         return bool(getattr(kern, "skips_masked_blocks", False))
 
     def check(self, request: KernelRequest) -> None:
-        kern = self.kernel_for(request.tile)
-        short = self._short.get(request.tile)
-        if short is not None and request.rows is not None and request.rows <= short[0]:
-            kern = short[1]
-        kern.check(request)
+        self.kernel_at(request.tile, request.rows).check(request)
 
     # -- the contract, routed by tile kind ----------------------------------------------
     def _route(self, mask: MaskSpec, tile: str, rows: int):
         if mask.is_dense:
             tile = TILE_DENSE
-        kern = self.kernel_for(tile)
-        if tile in self._short and rows <= self._short[tile][0]:
-            kern = self._short[tile][1]
+        kern = self.kernel_at(tile, rows)
         extra = {"tile": tile} if getattr(kern, "tile_aware", False) else {}
         return kern, extra
 
