@@ -71,8 +71,8 @@ TILE_KINDS = (TILE_DENSE, TILE_ALIGNED, TILE_GENERAL)
 #:
 #: * D 128 (Llama-3-8B's 32 / 8 heads): ``pallas_mgpu`` 1.11x with a causal mask on rows
 #:   of 4k, 0.99x at 16k and 0.97x at 32k, 0.92-0.99x without a mask; so cuDNN first
-#:   on dense and aligned tiles.  (``kernels.py pair``, three runs the same day, one row
-#:   of 16 heads: 0.95-1.00x.)
+#:   on dense and aligned tiles, except short ones (``AUTO_ORDER_SHORT_ROWS`` below).
+#:   (``kernels.py pair``, three runs the same day, one row of 16 heads: 0.95-1.00x.)
 #: * D 64 (SmolLM2's 9 / 3 heads, 64k tokens a call): ``pallas_mgpu`` 1.02-1.03x with a
 #:   causal mask on rows of 4k-64k (device clock 1.01-1.07x; ``pair``, one row of 16
 #:   heads: 1.02-1.07x in three runs on the H100, medians of three runs on an H200
