@@ -14,13 +14,15 @@
 #                                                    # should try first, model-shaped calls
 #   bash benchmarks/hopper_tiles_gpu.sh breakdown RUN  # kernels.py breakdown: each kernel
 #                                                    # of one fwd+bwd call per backend
+#   bash benchmarks/hopper_tiles_gpu.sh packed RUN   # packed_batch.py at 64k, documents of
+#                                                    # DOC_LENS (4096); VARIANTS as for pair
 #
 # The pair, auto and breakdown phases (and check, when KERNELS names tokamax) install
 # tokamax 0.0.17 and its dependencies from wheels carried in .whl/tokamax (the GPU machine
 # has no network) and put an empty stand-in for `xprof` on the path: tokamax imports it at
 # import time for its own benchmarking module only.
 set -euo pipefail
-phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN}
+phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN | packed RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
 export OUT
 mkdir -p "$OUT"
@@ -85,6 +87,15 @@ breakdown)
         --sizes "${SIZES:-16384,65536}" --bench-dims "${DIMS:-128,64}" \
         --device-rounds "${DEVICE_ROUNDS:-5}" 2>&1 | tee "$OUT/breakdown_$run.log"
     mv "$OUT/kernels_gpu.json" "$OUT/breakdown_$run.json"
+    ;;
+packed)
+    run=${2:?run name}
+    variants=()
+    for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
+    timeout "${PACKED_S:-560}" python packed_batch.py "${variants[@]}" \
+        --doc-lens "${DOC_LENS:-4096}" --rounds "${PAIR_ROUNDS:-7}" \
+        --device-rounds "${DEVICE_ROUNDS:-5}" 2>&1 | tee "$OUT/packed_$run.log"
+    mv "$OUT/packed_batch.json" "$OUT/packed_$run.json"
     ;;
 *)
     echo "unknown phase $phase" >&2

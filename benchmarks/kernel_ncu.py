@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_seqpar.kernels import PallasMgpuKernel  # noqa: E402
+from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_GENERAL  # noqa: E402
 from jax_seqpar.masks import MaskSpec  # noqa: E402
 from kernels import parse_mgpu_variant  # noqa: E402
 from packed import lognormal_lengths, packed_ids  # noqa: E402
@@ -41,6 +42,9 @@ def main(argv=None):
     p.add_argument("--mask", choices=("packed", "causal", "none"), default="packed")
     p.add_argument("--backend", choices=("pallas_mgpu", "tokamax"), default="pallas_mgpu")
     p.add_argument("--fwd-only", action="store_true", help="the forward alone")
+    p.add_argument("--tile", choices=("general", "aligned"), default="general",
+                   help="the tile kind the kernel is told (aligned: as one device's call "
+                        "of jax_seqpar.attention, masks from indices)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="an MgpuConfig field to replace (kernels.py's --mgpu-variant)")
     p.add_argument("--kernels-per-call", action="store_true",
@@ -74,12 +78,14 @@ def main(argv=None):
         mask = MaskSpec(causal=causal)
         pos = jnp.arange(S, dtype=jnp.int32)
 
+        tile = {"general": TILE_GENERAL, "aligned": TILE_ALIGNED}[a.tile]
+
         def fwd(q, k, v, seg):
-            return kern.fwd(q, k, v, pos, pos, mask, scale, seg, seg)
+            return kern.fwd(q, k, v, pos, pos, mask, scale, seg, seg, tile=tile)
 
         def bwd(q, k, v, res, do, seg):
             o, lse = res
-            return kern.bwd(q, k, v, o, lse, do, pos, pos, mask, scale, seg, seg)
+            return kern.bwd(q, k, v, o, lse, do, pos, pos, mask, scale, seg, seg, tile=tile)
 
     @jax.jit
     def call(q, k, v, do, seg):

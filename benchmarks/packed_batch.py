@@ -17,7 +17,10 @@ batches them, one document per row, all of one length ``L``:
   serves the packed call, on the same documents without segment ids, so the gap between
   it and ``packed`` is what packing costs that kernel;
 * ``packed lognormal``: the bar's own case (log-normal lengths around ``L``, as
-  ``packed.py``), for reference.
+  ``packed.py``), for reference;
+* ``--mgpu-variant NAME:field=value,...`` (as ``kernels.py``'s): ``packed NAME``,
+  ``packed lognormal NAME`` and ``batch NAME`` through ``pallas_mgpu`` with those
+  ``MgpuConfig`` fields replaced, in the same rotation, and checked like the rest.
 
 First (``--check``, on by default) the one-device calls it times are checked against the
 float32 reference (``jax_seqpar.reference``) at a small shape, D 64 and 128, budget 2e-2:
@@ -70,7 +73,8 @@ def _cudnn():
 
 
 def check(on_gpu, kernels) -> bool:
-    """The one-device calls against the float32 reference; prints one line per case."""
+    """The one-device calls against the float32 reference; prints one line per case.
+    ``kernels``: ``{name: kernel= of jax_seqpar.attention}``."""
     from jax_seqpar.reference import reference_attention
     mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
     B, S, H = 2, (1024 if on_gpu else 128), 4
@@ -89,7 +93,7 @@ def check(on_gpu, kernels) -> bool:
                                            segment_ids=seg_arg)[0]
             r_out, r_vjp = jax.vjp(ref, q, k, v)
             r_grads = r_vjp(do.astype(jnp.float32))
-            for kernel in kernels:
+            for name, kernel in kernels.items():
                 def f(q, k, v):
                     return jsp.attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
                                          segment_ids=seg_arg)
@@ -97,7 +101,7 @@ def check(on_gpu, kernels) -> bool:
                 errs = [rel(a, b) for a, b in zip((out, *vjp(do)), (r_out, *r_grads))]
                 good = max(errs) <= 2e-2
                 ok &= good
-                print(f"check D={D:3d} {'segments' if with_seg else 'causal  '} {kernel:12s} "
+                print(f"check D={D:3d} {'segments' if with_seg else 'causal  '} {name:12s} "
                       + " ".join(f"{n} {e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
                       + (" ok" if good else " FAIL"), flush=True)
     return ok
@@ -115,13 +119,24 @@ def main(argv=None):
                    help="comma-separated names of timed functions to profile once each")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the check against the float32 reference")
+    p.add_argument("--mgpu-variant", action="append", default=[],
+                   help="NAME:field=value,...: also time pallas_mgpu with these MgpuConfig "
+                        "fields replaced (Hopper only)")
     a = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     checked = True
     from jax_seqpar.kernels.pallas_mgpu import is_hopper
     hopper = on_gpu and is_hopper()
+    from kernels import parse_mgpu_variant
+    try:
+        variants = dict(parse_mgpu_variant(t) for t in a.mgpu_variant)
+    except ValueError as e:
+        p.error(str(e))
+    if variants and not hopper:
+        p.error("--mgpu-variant: pallas_mgpu needs a Hopper GPU")
     if a.check:
-        kernels = ("auto", "pallas_mgpu") if hopper else ("auto",)
+        kernels = {"auto": "auto", **({"pallas_mgpu": "pallas_mgpu"} if hopper else {}),
+                   **variants}
         checked = check(on_gpu, kernels)
     if a.dry_run:
         a.seq, a.doc_lens, a.rounds, a.device_rounds = 512, "128,64", 2, 0
@@ -151,8 +166,14 @@ def main(argv=None):
                                          useful)
         lens = lognormal_lengths(L, S, seed=S + L)
         seg_ln = jnp.asarray(packed_ids(lens, S)[None])
+        useful_ln = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg_ln[0]))
         calls[f"packed lognormal L{L}"] = (_ours(mesh, kernel, True), (*one, seg_ln),
-                                           3.5 * 2 * H * D * useful_pairs(np.asarray(seg_ln[0])))
+                                           useful_ln)
+        for name, kern in variants.items():
+            calls[f"packed {name} L{L}"] = (_ours(mesh, kern, True), (*one, seg), useful)
+            calls[f"packed lognormal {name} L{L}"] = (_ours(mesh, kern, True),
+                                                      (*one, seg_ln), useful_ln)
+            calls[f"batch {name} L{L}"] = (_ours(mesh, kern, False), (*batch, None), useful)
     for name, (fn, args, _) in calls.items():
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
