@@ -26,9 +26,7 @@ from jax_seqpar.kernels.pallas_common import tile_lists
 from jax_seqpar.kernels.pallas_mgpu import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT, MgpuConfig,
                                             PallasMgpuKernel, backward_smem_bytes,
                                             causal_blocks, cta_order, forward_smem_bytes,
-                                            index_kind, mgpu_fwd, persistent_item,
-                                            persistent_lane, persistent_steps)
-from jax_seqpar.kernels.pallas_mgpu_common import persistent_out_blocks
+                                            index_kind, mgpu_fwd)
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.tiles import TileKernels
 from jax_seqpar.masks import BlockMask, MaskSpec
@@ -55,7 +53,6 @@ def _request(**kw):
     (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
     (dict(dv_with_dp=1), "must be a bool"),
-    (dict(persistent=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -70,44 +67,6 @@ def test_default_configs_fit_shared_memory(D, dtype):
     cfg = DEFAULT_MGPU_CONFIGS[D]
     assert forward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT
     assert (backward_smem_bytes(cfg, D, dtype) <= SMEM_LIMIT) == (D != 256)
-
-
-@pytest.mark.parametrize("D,kw,own", [
-    (128, {}, True), (64, {}, True),
-    (64, dict(block_kv=256, num_stages=3), False),  # the tuned D 64 forward: no room
-])
-def test_persistent_forward_shared_memory(D, kw, own):
-    """A persistent forward CTA adds output blocks of its own (two more of the query
-    blocks' size) where they fit, and never goes over the limit."""
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], **kw)
-    pers = dataclasses.replace(cfg, persistent=True)
-    assert persistent_out_blocks(pers, D, "bfloat16") is own
-    assert not persistent_out_blocks(cfg, D, "bfloat16")
-    extra = forward_smem_bytes(pers, D, "bfloat16") - forward_smem_bytes(cfg, D, "bfloat16")
-    assert extra == (2 * cfg.block_q * D * 2 if own else 0)
-    assert forward_smem_bytes(pers, D, "bfloat16") <= SMEM_LIMIT
-
-
-@pytest.mark.parametrize("B,nq,Hq,n_sm", [(1, 8, 16, 132), (2, 64, 16, 132), (3, 5, 7, 4),
-                                          (1, 1, 1, 132), (2, 3, 4, 24), (1, 7, 4, 8)])
-def test_persistent_items_cover_the_grid_once(B, nq, Hq, n_sm):
-    """The persistent forward's CTAs serve every (batch row, launch slot, head) once:
-    wave ``w`` is the flat items ``w * n_sm ..`` of the launch order (heads fastest, then
-    the launch slots, most tiles first), each CTA taking one of them, in a serpentine
-    (place ``sm`` in even waves, ``n_sm - 1 - sm`` in odd ones); ``persistent_steps``
-    counts each CTA's items, the last partial wave included."""
-    flats = []
-    for sm in range(n_sm):
-        steps = persistent_steps(B * nq * Hq, n_sm, sm)
-        for w in range(steps):
-            b, j, h = persistent_item(w, sm, n_sm, nq, Hq)
-            assert 0 <= b < B and 0 <= j < nq and 0 <= h < Hq
-            flat = (b * nq + j) * Hq + h
-            assert flat // n_sm == w
-            assert flat % n_sm == (sm if w % 2 == 0 else n_sm - 1 - sm)
-            assert flat % n_sm == persistent_lane(w, sm, n_sm)
-            flats.append(flat)
-    assert sorted(flats) == list(range(B * nq * Hq))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -232,16 +191,6 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
                                                         config=cfg), q, kv, kv, *pos, *segs)
     assert fwd.count("mosaic_gpu") >= 1
-    # the persistent forward: on tile lists or computed blocks, one warp producing or a
-    # warpgroup, with output blocks of its own and (D 64's tuned tiles) without
-    tile = TILE_ALIGNED if Tq == Tk else TILE_GENERAL
-    tuned64 = dict(block_kv=256, num_stages=3) if D == 64 else {}
-    for kw in [dict(persistent=True),
-               dict(persistent=True, warp_producer=not cfg.warp_producer, **tuned64)]:
-        pc = dataclasses.replace(cfg, **kw)
-        fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
-            q, k, v, qp, kp, mask, 0.1, *s, config=pc, tile=tile), q, kv, kv, *pos, *segs)
-        assert fwd.count("custom_call @mosaic_gpu") == 1
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)

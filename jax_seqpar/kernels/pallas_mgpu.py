@@ -59,7 +59,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported 
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
     SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
-    on_producer_warps, persistent_out_blocks, produce_kv, slot_barrier, tile_visible)
+    on_producer_warps, produce_kv, slot_barrier, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -91,19 +91,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
     slot_threads = WARP_SLOT_THREADS if config.warp_producer else SLOT_THREADS
     no_lists = index in ("dense", "causal")
-    persistent = config.persistent
-    n_sm = sm_count() if persistent else 0
-    # a persistent CTA with room for output blocks of its own loads the next item's
-    # query blocks while the outputs are stored; without, it loads them after
-    own_o = persistent and persistent_out_blocks(config, D, dtype)
     ROW = plgpu.Layout.WGMMA.reduce(1)
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
 
-    def schedule(tbl_ref, order_ref, b, j):
-        """``(cta, count, n_full, block)`` of the ``j``-th query block launched for batch
-        row ``b``: its query block, how many key blocks it visits, how many of those
-        first ones need no mask, and the t-th's index."""
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)``: the CTA's query block, how many key blocks
+        it visits, how many of those first ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
         if index == "dense":
             return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
         if index == "causal":
@@ -118,28 +113,12 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
                kvseg_ref, o_ref, lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_ready, v_ready, q_ready), \
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
             (k_free, v_free), sched = scoped
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        if persistent:
-            sm = lax.axis_index("sm")
-            n_items = persistent_steps(B * nq * Hq, n_sm, sm, lambda a, b: (
-                a < b).astype(jnp.int32))
-            idiv = lambda a, b: lax.div(a, jnp.int32(b))  # noqa: E731
-            irem = lambda a, b: lax.rem(a, jnp.int32(b))  # noqa: E731
-            item_at = lambda w: persistent_item(w, sm, n_sm, nq, Hq, idiv, irem)  # noqa
-
-        def for_items(body):
-            """``body(w, b, j, h, base) -> base'`` for each (batch row, launch slot, head)
-            this CTA serves: one, from the grid, or (``persistent``) items ``sm``,
-            ``sm + n_sm``, ... of the flat grid, ``base`` counting the key blocks
-            streamed before (the ring's slots and barrier phases run on across items)."""
-            if not persistent:
-                body(0, lax.axis_index("batch"), lax.axis_index("q_seq"),
-                     lax.axis_index("heads"), 0)
-                return
-            lax.fori_loop(0, n_items, lambda w, base: body(w, *item_at(w), base),
-                          jnp.int32(0))
+        cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
@@ -161,18 +140,12 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 pl.when(wg == me)(functools.partial(named_barrier, "sync",
                                                     SCHED_BARRIERS[me]))
 
-        def consume(w, b, j, h, base):
-            cta, count, n_full, block = schedule(tbl_ref, order_ref, b, j)
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
             qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
-
-            def load_q(b_, h_, row0_):
-                plgpu.copy_gmem_to_smem(q_ref.at[b_, pl.ds(row0_, bq), h_], qo,
-                                        q_ready.at[wg])
-            if own_o:  # later items' blocks were loaded during the item before
-                pl.when(w == 0)(lambda: load_q(b, h, row0))
-            else:
-                load_q(b, h, row0)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
             # the row vectors load while the query block does
             qpos = qseg = None
             if masked and not by_index:
@@ -203,12 +176,9 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def slot_of(t):  # the ring slot of this item's t-th key block
-                return lax.rem(base + t, jnp.int32(stages))
-
             def step(t, carry, masked_tile):
                 acc, m, l = carry
-                slot = slot_of(t)
+                slot = lax.rem(t, jnp.int32(stages))
                 inputs = mask_inputs(t) if masked_tile else None
 
                 def qk(acc_ref):
@@ -251,7 +221,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
                     @pl.when(nxt < count)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 free_slot("v", v_free, slot)
                 return acc, m_new, l
@@ -262,7 +232,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
             @pl.when(count > 0)
             def _():
-                plgpu.barrier_wait(k_ready.at[slot_of(0)])
+                plgpu.barrier_wait(k_ready.at[0])
             # consumer 1 starts half a step behind consumer 0
             pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
                              if named else rendezvous)
@@ -271,53 +241,28 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             if masked:
                 carry = lax.fori_loop(n_full, count,
                                       functools.partial(step, masked_tile=True), carry)
-            # consumer 0 matches consumer 1's last wait; a persistent CTA's consumer 0
-            # waits there too, or its next item's first arrival could pair with it
-            pl.when(wg == 0)(functools.partial(named_barrier,
-                                               "sync" if persistent else "arrive",
-                                               SCHED_BARRIERS[1])
+            pl.when(wg == 0)(functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
                              if named else rendezvous)
             acc, m, l = carry
-            if own_o:  # the block is free (every S is done): load the next item's
-                @pl.when(w + 1 < n_items)
-                def _():
-                    nb, nj, nh = item_at(w + 1)
-                    ncta = schedule(tbl_ref, order_ref, nb, nj)[0]
-                    load_q(nb, nh, ncta * (2 * bq) + wg * bq)
             has = l > 0.0
             l_safe = jnp.where(has, l, 1.0)
-            o_blk = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
             lse_smem = lse_smem2.at[wg]
-            if own_o:  # the item before's stores have read the output blocks
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out = o_smem2.at[wg] if own_o else qo
-            out[...] = o_blk
             lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, o_ref.at[b, pl.ds(row0, bq), h])
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-            if not own_o:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
-            return base + count
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            for_items(consume)
-            if own_o:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def produce_item(w, b, j, h, base):
-                _, count, _, block = schedule(tbl_ref, order_ref, b, j)
+            def produce():
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads, base=base)
-                return base + count
-            on_producer_warps(config.warp_producer, lambda: for_items(produce_item))
+                           named_free=named_free, slot_threads=slot_threads)
+            on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
         refs = list(refs)
@@ -332,15 +277,9 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((2, bq), F32))
-        smem += (plgpu.SMEM((2, bq, D), dtype, transforms=swz),) if own_o else ()
-
-        def body(*scoped):
-            blocks, *rest = scoped
-            blocks = tuple(blocks) + (() if own_o else (None,))
-            kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
-                   kvseg_ref, o_ref, lse_ref, (blocks, *rest))
         pl.run_scoped(
-            body,
+            lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
+                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2)),
@@ -352,50 +291,15 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     args = (([] if no_lists else [tbl, order]) + [q, k, v]
             + ([] if by_index else [q_pos, kv_pos]) + ([q_seg, kv_seg] if has_seg else []))
     args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
-    grid, names = ((n_sm,), ("sm",)) if persistent else \
-        ((Hq, nq, B), ("heads", "q_seq", "batch"))
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=names,
+        grid=(Hq, nq, B),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*args)
-
-
-def persistent_lane(w, sm, n_sm: int, rem=lambda a, b: a % b):
-    """The place in wave ``w`` of the items that the persistent CTA ``sm`` serves: ``sm``
-    in even waves, ``n_sm - 1 - sm`` in odd ones (a serpentine).  Launch slots come most
-    tiles first, so within a wave the lower places are the longer items; in the same
-    place every wave, the CTAs of low ``sm`` would fall further behind the others wave by
-    wave, and the CTAs would no longer run the neighbouring query blocks together whose
-    K/V blocks they share in L2 (one H100, packed documents at 64k: DRAM traffic 12.5% ->
-    73% of its peak, the forward 32% slower; RESULTS.md).  ``rem``: the remainder
-    (``lax.rem`` in a kernel)."""
-    return sm + rem(w, 2) * (n_sm - 1 - 2 * sm)
-
-
-def persistent_steps(n_items: int, n_sm: int, sm, below=lambda a, b: int(a < b)):
-    """How many of ``n_items`` the persistent CTA ``sm`` of ``n_sm`` serves: one in each
-    full wave, and one in the last, partial wave if its place there is taken
-    (``persistent_lane``).  ``below(a, b)``: ``a < b`` as 0 or 1 (an int32 in a kernel,
-    plain Python in tests)."""
-    waves, rest = divmod(n_items, n_sm)
-    last = sm if waves % 2 == 0 else n_sm - 1 - sm
-    return waves + below(last, rest)
-
-
-def persistent_item(w, sm, n_sm: int, nq: int, Hq: int, div=lambda a, b: a // b,
-                    rem=lambda a, b: a % b):
-    """``(b, j, h)`` of the ``w``-th item of the persistent CTA ``sm``: the flat item
-    ``w * n_sm + persistent_lane(w, sm, n_sm)`` of the grid (batch row, launch slot,
-    head), heads fastest, as the hardware launches the non-persistent grid
-    ``(Hq, nq, B)``; so the CTAs take the most-tiles-first launch slots first.
-    ``div`` / ``rem``: integer division and remainder (``lax`` in a kernel)."""
-    flat = w * n_sm + persistent_lane(w, sm, n_sm, rem)
-    return div(flat, nq * Hq), rem(div(flat, Hq), nq), rem(flat, Hq)
 
 
 def causal_blocks(cta, rows: int, bk: int, nk: int, pad_keys: bool, div, minimum):
@@ -475,20 +379,6 @@ def is_hopper() -> bool:
     except Exception:
         return False
     return cc.split(".")[0] == "9"
-
-
-#: Streaming multiprocessors of an H100 SXM / H200, for lowering without a GPU.
-HOPPER_SMS = 132
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count() -> int:
-    """The first GPU's streaming multiprocessors (the persistent forward launches one
-    CTA per SM), or ``HOPPER_SMS`` without a GPU (CPU lowering tests)."""
-    try:
-        return int(jax.devices("gpu")[0].core_count)
-    except (RuntimeError, AttributeError):
-        return HOPPER_SMS
 
 
 @functools.lru_cache(maxsize=None)

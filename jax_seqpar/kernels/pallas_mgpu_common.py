@@ -25,8 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "persistent")
+               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +83,7 @@ class MgpuConfig:
     producers wait on shared-memory barriers, whose counts do not change); checked on
     the GPU and timed in three runs on one H100, where it moved forward + backward by
     -0.6 to +2.3 points of cuDNN's rate on the device clock and -3.0 to +2.1 on the wall
-    clock, inside the runs' noise (RESULTS.md), so off by default.  ``persistent``
-    (forward): one CTA per streaming multiprocessor, each serving query blocks ``sm``,
-    ``sm + #SMs``, ... of the grid in turn, as tokamax's sm90 forward does for unmasked
-    attention: the producer streams the next block's K/V while the consumers finish the
-    one before, the next query block loads while the outputs are stored (from blocks of
-    their own), and the ring's slots and barrier phases run on from one block to the
-    next; what it buys is the start and end of each query block, so short rows (packed
-    documents, short tiles) are where it can matter.
+    clock, inside the runs' noise (RESULTS.md), so off by default.
     """
 
     block_q: int = 64
@@ -111,7 +103,6 @@ class MgpuConfig:
     dv_with_dp: bool = False
     warp_producer: bool = False
     warp_producer_bwd: bool = False
-    persistent: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -170,28 +161,12 @@ FWD_SMEM_EXTRA = 3 * 1024
 
 
 def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one forward CTA: two query/output blocks (a ``persistent`` one
-    with room for them: two of each, ``persistent_out_blocks``), the K and V rings, the
+    """Shared memory of one forward CTA: two query/output blocks, the K and V rings, the
     two lse rows and ``FWD_SMEM_EXTRA``."""
     item = jnp.dtype(dtype).itemsize
     q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
-    total = q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
-    if config.persistent and total + q_o <= SMEM_LIMIT:
-        total += q_o
-    return total
-
-
-def persistent_out_blocks(config: MgpuConfig, head_dim: int, dtype) -> bool:
-    """Whether a ``persistent`` forward CTA has room for output blocks of its own beside
-    the query blocks (so that the next query blocks load while the outputs are stored);
-    without, the outputs are written from the query blocks, as a non-persistent CTA does
-    (D 64 with 256 keys x 3 stages would take 227.5 KiB of the 225)."""
-    if not config.persistent:
-        return False
-    plain = dataclasses.replace(config, persistent=False)
-    return forward_smem_bytes(config, head_dim, dtype) > forward_smem_bytes(plain, head_dim,
-                                                                            dtype)
+    return q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
 
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
@@ -359,23 +334,21 @@ def on_producer_warps(one_warp: bool, produce) -> None:
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free, named_free: bool = False,
-               slot_threads: int = SLOT_THREADS, base=0):
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
     named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
     sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
-    ``v_free``.  Run from the whole producer warpgroup or from one warp of it.  ``base``:
-    the key blocks this CTA streamed before (a persistent CTA's earlier items), so that
-    the ring's slots run on across items."""
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
 
     @pl.loop(0, count)
     def _(t):
-        slot = lax.rem(base + t, jnp.int32(stages))
+        slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
         def wait_free(which, ref):
@@ -384,7 +357,7 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
-        pl.when(base + t >= stages)(lambda: wait_free("k", k_free))
+        pl.when(t >= stages)(lambda: wait_free("k", k_free))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        pl.when(base + t >= stages)(lambda: wait_free("v", v_free))
+        pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
