@@ -12,6 +12,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
+from jax_seqpar.parallel import ring
 from jax_seqpar.runtime.overlap import overlap_report, overlap_windows
 
 ASYNC_HLO = """HloModule m, is_scheduled=true
@@ -60,7 +61,7 @@ def test_async_pairs_on_handwritten_hlo():
 
 
 @functools.lru_cache(maxsize=None)
-def _ring_windows(causal, backward):
+def _ring_windows(causal, backward, rolled=True):
     G, S = 4, 64
     q, k, v = helpers.make_qkv(7, B=1, S=S, Hq=4, Hkv=4, D=16)
     do = helpers.make_cotangent(7, q.shape)
@@ -71,23 +72,37 @@ def _ring_windows(causal, backward):
         return jsp.attention(q, k, v, mesh=mesh, causal=causal, layout=layout,
                              permuted=True, backward=backward)
 
-    fwd = overlap_report(f, q, k, v)
-    _, vjp = jax.vjp(f, q, k, v)
-    bwd = overlap_report(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
+    saved, ring.ROLL_HOPS = ring.ROLL_HOPS, rolled  # read when the ring is traced
+    try:
+        fwd = overlap_report(f, q, k, v)
+        _, vjp = jax.vjp(f, q, k, v)
+        bwd = overlap_report(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
+    finally:
+        ring.ROLL_HOPS = saved
     return fwd, bwd
 
 
+@pytest.mark.parametrize("rolled", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ring_forward_prefetch_overlaps_the_kernel(causal):
+def test_ring_forward_prefetch_overlaps_the_kernel(causal, rolled):
     """Forward, G=4 (3 hops of K and V): the CPU emits synchronous collective-permutes;
-    every hop that forwards a received block (hops 2 and 3: the prefetch of the next
-    block) has the kernel's tile computation scheduled before its block is used."""
-    fwd, _ = _ring_windows(causal, "kv")
-    assert len(fwd) == 6 and all(w.kind == "collective-permute" for w in fwd)
+    every hop that forwards a received block (the prefetch of the next block) has the
+    kernel's tile computation scheduled before its block is used.
+
+    Unrolled, the program holds all six permutes: the first hop's two from the inputs,
+    four forwarding received blocks (hops 2 and 3).  Rolled (``ring.ROLL_HOPS``), hops 1
+    and 2 are one loop whose body forwards the block it received (two permutes, run
+    twice), and the last hop, which forwards nothing, follows the loop: four in all."""
+    fwd, _ = _ring_windows(causal, "kv", rolled)
+    assert len(fwd) == (4 if rolled else 6)
+    assert all(w.kind == "collective-permute" for w in fwd)
     assert not any(w.is_async for w in fwd)  # CPU: synchronous collectives
     assert not any(w.gradient for w in fwd)  # K and V only travel
-    forwarded = [w for w in fwd if w.operand_ops == ("collective-permute",)]
-    assert len(forwarded) == 4
+    first = [w for w in fwd if w.operand_ops == ("parameter",)]  # K, V of this device
+    forwarded = [w for w in fwd if w not in first]
+    assert (len(first), len(forwarded)) == (2, 2 if rolled else 4)
+    if rolled:  # in the loop's body, not the entry computation
+        assert len({w.computation for w in forwarded} | {first[0].computation}) == 2
     for w in forwarded:
         assert w.overlapped, (w.collective, w.between)
 

@@ -21,6 +21,7 @@ from typing import Callable, Dict
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, AxisName, ring_shift,
@@ -37,7 +38,7 @@ def add(a, b):
 
 
 def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, home,
-          home_dtypes=None, *, visit_start: bool = False):
+          home_dtypes=None, *, visit_start: bool = False, rolled: bool = False):
     """Move ``travel`` ``n`` hops in ``direction`` along ``axis_name`` (``num`` devices)
     and visit each device on the way.
 
@@ -51,22 +52,41 @@ def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, 
     after the last visit the accumulator takes one direct hop home, cast to
     ``home_dtypes``.  Returns ``(accumulator of this device's own block, home)``; without
     ``home_dtypes`` there is no accumulator and the first element is ``None``.
+
+    ``rolled``: the middle hops run as one ``fori_loop`` whose index is ``hop`` (``visit``
+    must then take a traced ``hop`` and keep the types of ``home`` and ``contrib``), so
+    the program holds at most three copies of a tile whatever ``n`` is, and tracing and
+    compiling no longer grow with the ring.  The last hop stays apart because it issues
+    no next transfer, and with an accumulator the first too, because it creates it.
+    Without ``rolled`` every hop is its own copy (``visit`` may branch on ``hop``).
     """
     rev = direction < 0
-    block = ring_shift(travel, axis_name, num, reverse=rev)
+    shift = functools.partial(ring_shift, axis_name=axis_name, num=num, reverse=rev)
+    grads = home_dtypes is not None
+
+    def step(hop, block, acc, home, last):
+        # issue the next transfers before computing on the block in hand (overlap): the
+        # block onwards, and the accumulator that the previous hop filled
+        nxt = None if last else shift(block)
+        acc = None if acc is None else shift(acc)
+        contrib, home = visit(block, hop, home)
+        return nxt, (add(acc, contrib) if grads else None), home
+
+    block = shift(travel)
     if visit_start:  # computed while the first hop is in flight
         _, home = visit(travel, 0, home)
     acc = None
-    for hop in range(1, n + 1):
-        # issue the next transfer before computing on the block in hand (overlap)
-        nxt = ring_shift(block, axis_name, num, reverse=rev) if hop < n else None
-        contrib, home = visit(block, hop, home)
-        if home_dtypes is not None:
-            acc = add(acc, contrib)  # the received accumulator waits for this tile
-            if hop < n:
-                acc = ring_shift(acc, axis_name, num, reverse=rev)
-        block = nxt
-    if home_dtypes is None:
+    first = 2 if grads else 1  # the first hop of the loop
+    if rolled and n > first:
+        for hop in range(1, first):
+            block, acc, home = step(hop, block, acc, home, last=False)
+        block, acc, home = lax.fori_loop(
+            first, n, lambda hop, carry: step(hop, *carry, last=False), (block, acc, home))
+        block, acc, home = step(n, block, acc, home, last=True)
+    else:
+        for hop in range(1, n + 1):
+            block, acc, home = step(hop, block, acc, home, last=hop == n)
+    if not grads:
         return None, home
     acc = jax.tree.map(lambda a, dt: a.astype(dt), acc, home_dtypes)
     return send(acc, axis_name, num, -direction * n), home
