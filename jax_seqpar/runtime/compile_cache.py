@@ -46,10 +46,12 @@ What JAX does here (read from ``jax/_src/compilation_cache.py``, ``compiler.py``
   ``examples/train_long_context.py --scan-layers`` on 2 CPU devices: 5 of 11 reruns
   from the cache aborted, none of 10 compiled runs).  ``compile_cache_from_args`` therefore
   leaves the cache off on several CPU devices unless asked (``CPU_HAZARD``).  Programs
-  with no collective inside a loop (the unrolled model, attention, the demo) were read
-  back and ran correctly in every try, and so did generation's decode loop
-  (``benchmarks/generate.py --dry-run``, 3 reruns); the hazard is in how XLA restores
-  the program, so any program of that shape may meet it.
+  with no collective inside a loop (the unrolled model, attention while its ring was
+  unrolled, the demo) were read back and ran correctly in every try, and so did
+  generation's decode loop (``benchmarks/generate.py --dry-run``, 3 reruns); the hazard
+  is in how XLA restores the program, so any program of that shape may meet it -- since
+  2026-11-27 that includes every ring of three or more hops, whose middle hops are a
+  loop (``parallel.ring.ROLL_HOPS``).
 
 ``--compile-cache DIR`` / ``--no-compile-cache`` (``add_compile_cache_args``,
 ``compile_cache_from_args``) give every script the same switch: on by default, in
