@@ -8,12 +8,18 @@ on all devices) this script reports
 * per form, from a fresh process each (``--child``; no trace or compilation reused):
   ``trace_s``, ``lower_s``, ``compile_s`` of the jitted gradient on abstract inputs, the
   optimised program's HLO lines and its ``while`` loops;
+* a check of both forms, for each of ``kernels``, at ``check_seq`` tokens: outputs and
+  gradients (a random cotangent) against the dense float32 ``reference_attention``, as
+  relative errors, with DESIGN.md's budgets (float32 1e-5, bfloat16 2e-2);
 * both forms compiled in this process: the largest difference between their outputs and
   gradients, and their step times in alternating rounds (fresh order each round; wall
   clock, and on a GPU also the device clock of ``_profile.device_rounds``).
 
+The exit code is 1 when a check is over its budget.
+
     python benchmarks/ring_roll.py                      # 8 CPU devices, small shapes
     python benchmarks/ring_roll.py --preset gpu         # all GPUs, 128k tokens
+    python benchmarks/ring_roll.py --phases check       # only the check
 
 The JSON goes to ``$OUT`` (else ``benchmarks/out/``).
 """
@@ -32,35 +38,46 @@ import _setup  # noqa: F401  (device count and sys.path)
 PRESETS = {
     "cpu": dict(batch=1, seq=2048, heads=4, head_dim=32, dtype="float32", rounds=5,
                 cases=["contiguous:causal", "zigzag:causal", "contiguous:dense"],
-                backward="kv"),
+                backward="kv", check_seq=512, check_heads=2, kernels=["auto"]),
     "gpu": dict(batch=1, seq=131072, heads=16, head_dim=128, dtype="bfloat16", rounds=7,
-                cases=["zigzag:causal", "contiguous:dense"], backward="auto"),
+                cases=["zigzag:causal", "contiguous:dense"], backward="auto",
+                check_seq=16384, check_heads=4, kernels=["auto", "pallas_mgpu"]),
 }
+
+
+BUDGET = {"float32": 1e-5, "bfloat16": 2e-2}  # DESIGN.md, "Numerics and tests"
+
+
+def _attention(cfg, layout, mask, mesh, kernel="auto"):
+    import jax_seqpar as js
+
+    def attn(q, k, v):
+        return js.attention(q, k, v, mesh=mesh, axis_name="sp", causal=mask == "causal",
+                            layout=layout, backward=cfg["backward"], kernel=kernel)
+    return attn
 
 
 def _grad_fn(cfg, layout, mask, mesh):
     """The jitted forward + backward of one case (a new function object each call)."""
     import jax
 
-    import jax_seqpar as js
+    attn = _attention(cfg, layout, mask, mesh)
 
     def loss(q, k, v):
-        o = js.attention(q, k, v, mesh=mesh, axis_name="sp", causal=mask == "causal",
-                         layout=layout, backward=cfg["backward"])
-        return (o.astype("float32") ** 2).sum()
+        return (attn(q, k, v).astype("float32") ** 2).sum()
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def _inputs(cfg, abstract: bool):
+def _inputs(cfg, abstract: bool, seq=None, heads=None, n: int = 3):
     import jax
     import jax.numpy as jnp
 
-    shape = (cfg["batch"], cfg["seq"], cfg["heads"], cfg["head_dim"])
+    shape = (cfg["batch"], seq or cfg["seq"], heads or cfg["heads"], cfg["head_dim"])
     dt = jnp.dtype(cfg["dtype"])
     if abstract:
-        return [jax.ShapeDtypeStruct(shape, dt)] * 3
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        return [jax.ShapeDtypeStruct(shape, dt)] * n
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
     return [jax.random.normal(k, shape, jnp.float32).astype(dt) for k in keys]
 
 
@@ -104,6 +121,35 @@ def run_child(preset: str, cfg_json: str, case: str, rolled: bool) -> dict:
     raise RuntimeError(f"child {case} rolled={rolled} failed:\n{out.stderr[-3000:]}")
 
 
+def check(cfg, case: str) -> dict:
+    """Both forms, each kernel of ``cfg["kernels"]``: the largest relative error of the
+    output and the three gradients against the float32 reference."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_seqpar as js
+    from _util import rel
+    from jax_seqpar.parallel import ring
+
+    layout, mask = case.split(":")
+    mesh = _mesh()
+    q, k, v, do = _inputs(cfg, abstract=False, seq=cfg["check_seq"],
+                          heads=cfg["check_heads"], n=4)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    ref = lambda q, k, v: js.reference_attention(q, k, v, causal=mask == "causal")[0]
+    ro, rvjp = jax.vjp(ref, *f32[:3])
+    want = (ro, *rvjp(f32[3]))
+    errs = {}
+    for kernel in cfg["kernels"]:
+        for name, rolled in (("rolled", True), ("unrolled", False)):
+            ring.ROLL_HOPS = rolled
+            o, vjp = jax.vjp(_attention(cfg, layout, mask, mesh, kernel), q, k, v)
+            got = (o, *vjp(do))
+            errs[f"{kernel}/{name}"] = max(rel(a, b) for a, b in zip(got, want))
+    ring.ROLL_HOPS = True
+    return errs
+
+
 def steps(cfg, case: str) -> dict:
     """Both forms in this process: their largest difference, and their step times."""
     import jax
@@ -135,6 +181,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     p.add_argument("--cases", default=None, help="layout:mask entries, comma-separated")
+    p.add_argument("--backward", default=None, choices=("kv", "q", "auto"),
+                   help="the ring's backward (default: the preset's)")
+    p.add_argument("--phases", default="check,compile,steps",
+                   help="which of check, compile, steps to run (comma-separated)")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rolled", type=int, default=1, help=argparse.SUPPRESS)
@@ -147,14 +197,29 @@ def main(argv=None):
     cfg = json.loads(args.config) if args.config else dict(cfg)
     if args.cases:
         cfg["cases"] = args.cases.split(",")
+    if args.backward:
+        cfg["backward"] = args.backward
     if args.child:
         print("CHILD " + json.dumps(child(cfg, args.child, bool(args.rolled))), flush=True)
         return 0
     info = env_info()
     print(f"# {info}\n# preset {preset}: {cfg}", flush=True)
-    result = {"env": info, "preset": preset, "config": cfg, "compile": [], "steps": []}
-    path = os.path.join(out_dir(), f"ring_roll_{preset}.json")
-    for case in cfg["cases"]:
+    result = {"env": info, "preset": preset, "config": cfg, "check": {}, "compile": [],
+              "steps": []}
+    path = os.path.join(out_dir(), f"ring_roll_{preset}_{cfg['backward']}.json")
+    phases = set(args.phases.split(","))
+    if phases - {"check", "compile", "steps"}:
+        p.error(f"--phases: unknown {sorted(phases - {'check', 'compile', 'steps'})}")
+    budget, ok = BUDGET[cfg["dtype"]], True
+    for case in cfg["cases"] if "check" in phases else ():
+        errs = check(cfg, case)
+        result["check"][case] = errs
+        ok = ok and all(e <= budget for e in errs.values())
+        print(f"{case:20s} check at {cfg['check_seq']} tokens, relative error "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+              + (" PASS" if all(e <= budget for e in errs.values()) else " FAIL"), flush=True)
+        save_json(result, path)
+    for case in cfg["cases"] if "compile" in phases else ():
         for rolled in (False, True):
             row = run_child(preset, json.dumps(cfg), case, rolled)
             result["compile"].append(row)
@@ -163,14 +228,15 @@ def main(argv=None):
                   f"{row['total_s']:.2f} s, {row['hlo_lines']} HLO lines, "
                   f"{row['while_loops']} while", flush=True)
             save_json(result, path)
-    for case in cfg["cases"]:
+    for case in cfg["cases"] if "steps" in phases else ():
         row = steps(cfg, case)
         result["steps"].append(row)
         print(f"{case:20s} max |rolled - unrolled| {row['max_abs_diff']:.1e}; wall ms "
               f"{row['wall_ms']}; device ms {row['device_ms']}", flush=True)
         save_json(result, path)
     print("wrote", path)
-    return 0
+    print("CHECKS:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
