@@ -10,7 +10,7 @@ on all devices) this script reports
   optimised program's HLO lines and its ``while`` loops;
 * a check of both forms, for each of ``kernels``, at ``check_seq`` tokens: outputs and
   gradients (a random cotangent) against the dense float32 ``reference_attention``, as
-  relative errors, with DESIGN.md's budgets (float32 1e-5, bfloat16 2e-2);
+  relative errors, with the library's budgets (float32 1e-5, bfloat16 2e-2);
 * both forms compiled in this process: the largest difference between their outputs and
   gradients, and their step times in alternating rounds (fresh order each round; wall
   clock, and on a GPU also the device clock of ``_profile.device_rounds``).
@@ -45,7 +45,7 @@ PRESETS = {
 }
 
 
-BUDGET = {"float32": 1e-5, "bfloat16": 2e-2}  # DESIGN.md, "Numerics and tests"
+BUDGET = {"float32": 1e-5, "bfloat16": 2e-2}  # docs/ARCHITECTURE.md, "Numerics"
 
 
 def _attention(cfg, layout, mask, mesh, kernel="auto"):
