@@ -27,6 +27,7 @@ The JSON goes to ``$OUT`` (else ``benchmarks/out/``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -81,6 +82,18 @@ def _inputs(cfg, abstract: bool, seq=None, heads=None, n: int = 3):
     return [jax.random.normal(k, shape, jnp.float32).astype(dt) for k in keys]
 
 
+@contextlib.contextmanager
+def _form(rolled: bool):
+    """``parallel.ring.ROLL_HOPS`` set to ``rolled`` while a program is traced, then put
+    back (a test runs this script inside a pytest worker)."""
+    from jax_seqpar.parallel import ring
+    saved, ring.ROLL_HOPS = ring.ROLL_HOPS, rolled
+    try:
+        yield
+    finally:
+        ring.ROLL_HOPS = saved
+
+
 def _mesh():
     import jax
     return jax.make_mesh((jax.device_count(),), ("sp",))
@@ -129,7 +142,6 @@ def check(cfg, case: str) -> dict:
 
     import jax_seqpar as js
     from _util import rel
-    from jax_seqpar.parallel import ring
 
     layout, mask = case.split(":")
     mesh = _mesh()
@@ -142,11 +154,10 @@ def check(cfg, case: str) -> dict:
     errs = {}
     for kernel in cfg["kernels"]:
         for name, rolled in (("rolled", True), ("unrolled", False)):
-            ring.ROLL_HOPS = rolled
-            o, vjp = jax.vjp(_attention(cfg, layout, mask, mesh, kernel), q, k, v)
-            got = (o, *vjp(do))
+            with _form(rolled):
+                o, vjp = jax.vjp(_attention(cfg, layout, mask, mesh, kernel), q, k, v)
+                got = (o, *vjp(do))
             errs[f"{kernel}/{name}"] = max(rel(a, b) for a, b in zip(got, want))
-    ring.ROLL_HOPS = True
     return errs
 
 
@@ -157,17 +168,15 @@ def steps(cfg, case: str) -> dict:
 
     from _profile import device_rounds
     from _util import timed_rounds
-    from jax_seqpar.parallel import ring
 
     layout, mask = case.split(":")
     mesh = _mesh()
     args = _inputs(cfg, abstract=False)
     fns, outs = {}, {}
     for name, rolled in (("rolled", True), ("unrolled", False)):
-        ring.ROLL_HOPS = rolled
-        fns[name] = _grad_fn(cfg, layout, mask, mesh)
-        outs[name] = jax.block_until_ready(fns[name](*args))  # traced with this form
-    ring.ROLL_HOPS = True
+        with _form(rolled):
+            fns[name] = _grad_fn(cfg, layout, mask, mesh)
+            outs[name] = jax.block_until_ready(fns[name](*args))  # traced with this form
     diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                for a, b in zip(jax.tree.leaves(outs["rolled"]), jax.tree.leaves(outs["unrolled"])))
     calls = {n: (f, args) for n, f in fns.items()}
