@@ -1,9 +1,10 @@
 """Rolled against unrolled ring hops: compile time, program size and step time.
 
-``parallel.ring.ROLL_HOPS`` runs a ring's middle hops as one ``fori_loop``
+``parallel.ring_common.ROLL_HOPS`` runs a ring's middle hops as one ``fori_loop``
 (``ring_common.chain``'s ``rolled``); ``False`` unrolls every hop (the form before
 2026-11-27).  For each case (``layout:mask``, forward + backward of ``jax_seqpar.attention``
-on all devices) this script reports
+on all devices: the 1-D ring, or with ``--mesh NOxNI`` the double ring over ``NO`` nodes of
+``NI`` devices, whose intra-node chains roll) this script reports
 
 * per form, from a fresh process each (``--child``; no trace or compilation reused):
   ``trace_s``, ``lower_s``, ``compile_s`` of the jitted gradient on abstract inputs, the
@@ -20,6 +21,8 @@ The exit code is 1 when a check is over its budget.
     python benchmarks/ring_roll.py                      # 8 CPU devices, small shapes
     python benchmarks/ring_roll.py --preset gpu         # all GPUs, 128k tokens
     python benchmarks/ring_roll.py --phases check       # only the check
+    XLA_FLAGS=--xla_force_host_platform_device_count=32 \
+      python benchmarks/ring_roll.py --mesh 4x8         # the double ring, 32 CPU devices
 
 The JSON goes to ``$OUT`` (else ``benchmarks/out/``).
 """
@@ -52,9 +55,13 @@ BUDGET = {"float32": 1e-5, "bfloat16": 2e-2}  # docs/ARCHITECTURE.md, "Numerics"
 def _attention(cfg, layout, mask, mesh, kernel="auto"):
     import jax_seqpar as js
 
+    double = len(mesh.axis_names) == 2
+    axis = tuple(mesh.axis_names) if double else "sp"
+
     def attn(q, k, v):
-        return js.attention(q, k, v, mesh=mesh, axis_name="sp", causal=mask == "causal",
-                            layout=layout, backward=cfg["backward"], kernel=kernel)
+        return js.attention(q, k, v, mesh=mesh, axis_name=axis, causal=mask == "causal",
+                            layout=layout, backward=cfg["backward"], kernel=kernel,
+                            strategy="double_ring" if double else "ring")
     return attn
 
 
@@ -84,29 +91,39 @@ def _inputs(cfg, abstract: bool, seq=None, heads=None, n: int = 3):
 
 @contextlib.contextmanager
 def _form(rolled: bool):
-    """``parallel.ring.ROLL_HOPS`` set to ``rolled`` while a program is traced, then put
-    back (a test runs this script inside a pytest worker)."""
-    from jax_seqpar.parallel import ring
-    saved, ring.ROLL_HOPS = ring.ROLL_HOPS, rolled
+    """``parallel.ring_common.ROLL_HOPS`` set to ``rolled`` while a program is traced,
+    then put back (a test runs this script inside a pytest worker)."""
+    from jax_seqpar.parallel import ring_common
+    saved, ring_common.ROLL_HOPS = ring_common.ROLL_HOPS, rolled
     try:
         yield
     finally:
-        ring.ROLL_HOPS = saved
+        ring_common.ROLL_HOPS = saved
 
 
-def _mesh():
+def _mesh(cfg):
+    """All devices as one ring axis, or ``cfg["mesh"] = [nodes, local]`` for the double
+    ring (its first ``nodes * local`` devices)."""
     import jax
-    return jax.make_mesh((jax.device_count(),), ("sp",))
+    if not cfg.get("mesh"):
+        return jax.make_mesh((jax.device_count(),), ("sp",))
+    nodes, local = cfg["mesh"]
+    if nodes * local > jax.device_count():
+        raise SystemExit(f"--mesh {nodes}x{local} needs {nodes * local} devices; this "
+                         f"process has {jax.device_count()} (on CPU set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={nodes * local})")
+    return jax.make_mesh((nodes, local), ("node", "local"),
+                         devices=jax.devices()[:nodes * local])
 
 
 def child(cfg, case: str, rolled: bool) -> dict:
     """Trace, lower and compile one case in this (fresh) process."""
     import jax
 
-    from jax_seqpar.parallel import ring
-    ring.ROLL_HOPS = rolled
+    from jax_seqpar.parallel import ring_common
+    ring_common.ROLL_HOPS = rolled
     layout, mask = case.split(":")
-    fn = _grad_fn(cfg, layout, mask, _mesh())
+    fn = _grad_fn(cfg, layout, mask, _mesh(cfg))
     args = _inputs(cfg, abstract=True)
     jax.jit(lambda x: x + 1)(jax.numpy.zeros(4)).block_until_ready()  # backend start-up
     t0 = time.perf_counter()
@@ -144,7 +161,7 @@ def check(cfg, case: str) -> dict:
     from _util import rel
 
     layout, mask = case.split(":")
-    mesh = _mesh()
+    mesh = _mesh(cfg)
     q, k, v, do = _inputs(cfg, abstract=False, seq=cfg["check_seq"],
                           heads=cfg["check_heads"], n=4)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -170,7 +187,7 @@ def steps(cfg, case: str) -> dict:
     from _util import timed_rounds
 
     layout, mask = case.split(":")
-    mesh = _mesh()
+    mesh = _mesh(cfg)
     args = _inputs(cfg, abstract=False)
     fns, outs = {}, {}
     for name, rolled in (("rolled", True), ("unrolled", False)):
@@ -192,6 +209,9 @@ def main(argv=None):
     p.add_argument("--cases", default=None, help="layout:mask entries, comma-separated")
     p.add_argument("--backward", default=None, choices=("kv", "q", "auto"),
                    help="the ring's backward (default: the preset's)")
+    p.add_argument("--mesh", default=None,
+                   help="NOxNI: the double ring over NO nodes of NI devices (default: the "
+                        "1-D ring over all devices)")
     p.add_argument("--phases", default="check,compile,steps",
                    help="which of check, compile, steps to run (comma-separated)")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -208,6 +228,13 @@ def main(argv=None):
         cfg["cases"] = args.cases.split(",")
     if args.backward:
         cfg["backward"] = args.backward
+    if args.mesh:
+        try:
+            cfg["mesh"] = [int(x) for x in args.mesh.lower().split("x")]
+        except ValueError:
+            cfg["mesh"] = None
+        if not cfg["mesh"] or len(cfg["mesh"]) != 2 or min(cfg["mesh"]) < 1:
+            p.error(f"--mesh: expected NOxNI such as 2x4, got {args.mesh!r}")
     if args.child:
         print("CHILD " + json.dumps(child(cfg, args.child, bool(args.rolled))), flush=True)
         return 0
@@ -215,7 +242,8 @@ def main(argv=None):
     print(f"# {info}\n# preset {preset}: {cfg}", flush=True)
     result = {"env": info, "preset": preset, "config": cfg, "check": {}, "compile": [],
               "steps": []}
-    path = os.path.join(out_dir(), f"ring_roll_{preset}_{cfg['backward']}.json")
+    mesh = "_{}x{}".format(*cfg["mesh"]) if cfg.get("mesh") else ""
+    path = os.path.join(out_dir(), f"ring_roll_{preset}_{cfg['backward']}{mesh}.json")
     phases = set(args.phases.split(","))
     if phases - {"check", "compile", "steps"}:
         p.error(f"--phases: unknown {sorted(phases - {'check', 'compile', 'steps'})}")

@@ -26,7 +26,7 @@ from jax_seqpar.parallel.choose import LayoutChoice, choose_layout
 from jax_seqpar.parallel.common import BACKWARDS, make_config
 from jax_seqpar.parallel.double_ring import (double_ring_attention_with_config,
                                              double_ring_axes)
-from jax_seqpar.parallel import ring as _ring
+from jax_seqpar.parallel import ring_common as _ring_common
 from jax_seqpar.parallel.ring import ring_attention_with_config
 from jax_seqpar.parallel.selective import selective_ring_attention_with_config
 from jax_seqpar.parallel.tree import tree_sequence_attention_with_config
@@ -203,7 +203,7 @@ def attention(
                       bwd_has_o=strategy != "tree")  # tree's backward passes delta only
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
     key = (cfg, strategy, mesh, G, permuted, len(args), batch_axis, head_axis, repeats,
-           _ring.ROLL_HOPS)
+           _ring_common.ROLL_HOPS)
     try:
         hash(key)
     except TypeError:  # e.g. a user kernel object that is not hashable: no caching
@@ -239,8 +239,8 @@ def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int,
     ``G`` is the number of layout shards: the devices of ``axis_name``, but for "usp"
     only those of the outer (ring) axis (``parallel.ulysses``, token order).  ``repeats``:
     how often each kv head is repeated for ``head_axis`` (``sharding.specs``).
-    ``roll_hops``: ``parallel.ring.ROLL_HOPS``, which the rings read when traced; only a
-    key here, so that a program of the other form is not reused."""
+    ``roll_hops``: ``parallel.ring_common.ROLL_HOPS``, which the rings read when traced;
+    only a key here, so that a program of the other form is not reused."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config,
                   "tree": tree_sequence_attention_with_config,

@@ -12,7 +12,7 @@ import pytest
 
 import helpers
 import jax_seqpar as jsp
-from jax_seqpar.parallel import ring
+from jax_seqpar.parallel import ring_common
 from jax_seqpar.runtime.overlap import overlap_report, overlap_windows
 
 ASYNC_HLO = """HloModule m, is_scheduled=true
@@ -72,13 +72,14 @@ def _ring_windows(causal, backward, rolled=True):
         return jsp.attention(q, k, v, mesh=mesh, causal=causal, layout=layout,
                              permuted=True, backward=backward)
 
-    saved, ring.ROLL_HOPS = ring.ROLL_HOPS, rolled  # read when the ring is traced
+    # read when the ring is traced
+    saved, ring_common.ROLL_HOPS = ring_common.ROLL_HOPS, rolled
     try:
         fwd = overlap_report(f, q, k, v)
         _, vjp = jax.vjp(f, q, k, v)
         bwd = overlap_report(jax.jit(lambda vjp, do: vjp(do)), vjp, do)
     finally:
-        ring.ROLL_HOPS = saved
+        ring_common.ROLL_HOPS = saved
     return fwd, bwd
 
 
@@ -90,7 +91,7 @@ def test_ring_forward_prefetch_overlaps_the_kernel(causal, rolled):
     kernel's tile computation scheduled before its block is used.
 
     Unrolled, the program holds all six permutes: the first hop's two from the inputs,
-    four forwarding received blocks (hops 2 and 3).  Rolled (``ring.ROLL_HOPS``), hops 1
+    four forwarding received blocks (hops 2 and 3).  Rolled (``ROLL_HOPS``), hops 1
     and 2 are one loop whose body forwards the block it received (two permutes, run
     twice), and the last hop, which forwards nothing, follows the loop: four in all."""
     fwd, _ = _ring_windows(causal, "kv", rolled)

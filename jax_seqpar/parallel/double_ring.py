@@ -14,7 +14,10 @@ at each node it reaches -- its own node included -- ``Ni - 1`` hops over ``inner
 intra-node ring).  At offset ``(a, b)`` device ``(n, l)`` computes its queries against the
 block of ``((n - a) mod No, (l - b) mod Ni)``; over ``a < No, b < Ni`` that is every
 block once.  Per device ``G - No`` intra-node and ``No - 1`` inter-node hops: the bytes
-of the 1-D ring (``G - 1`` hops), of which only ``No - 1`` cross nodes.
+of the 1-D ring (``G - 1`` hops), of which only ``No - 1`` cross nodes.  An intra-node
+chain whose every hop computes a tile runs its middle hops as one loop, as the 1-D ring
+does (``ring_common.ROLL_HOPS``), so a round holds at most three copies of a tile; the
+rounds themselves stay unrolled, since which hops a round makes depends on its offset.
 
 Overlap (Fig. 5), with three buffers as values: the round's block, on which the device
 computes (the *compute* buffer); its copy travelling the intra-node ring (the *intra*
@@ -169,6 +172,12 @@ class _Where:
                                stripe=self.cfg.stripe)
 
 
+def _own(a, b) -> bool:
+    """Whether offset ``(a, b)`` is this device's own block (a traced ``b``, from a rolled
+    intra-node chain, is a hop of at least one, so never)."""
+    return isinstance(b, int) and (a, b) == (0, 0)
+
+
 def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *,
               sign: int = 1, home_dtypes=None, zeros=None):
     """Walk ``travel`` (this device's block) through the double ring (Fig. 4).
@@ -190,13 +199,19 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
     f32 = None if not grads else jax.tree.map(lambda _: F32, home_dtypes)
 
     def tile(block, a, b, home):
-        if not sched.needs(a, b):
+        # b is traced only in a rolled chain, whose every hop is needed
+        if isinstance(b, int) and not sched.needs(a, b):
             return (zeros() if grads else None), home
         return visit(block, a, b, home)
 
     def round_(block, a, home, dtypes):
         """Round ``a``: the tile ``(a, 0)`` and the intra-node chains of the round.
-        Returns the round's contribution to ``block``'s accumulator (gathered home)."""
+        Returns the round's contribution to ``block``'s accumulator (gathered home).
+
+        A chain whose every hop computes a tile runs its middle hops as one loop (``chain``
+        rolled, ``ring_common.ROLL_HOPS``; ``visit`` then gets a traced ``b``); a chain
+        that passes a block through a device that does not need it (a window) unrolls, so
+        that the skipped hop holds no tile."""
         chains = sched.intra(a).chains()
         center = a == 0 or sched.needs(a, 0)
         if not chains:
@@ -206,10 +221,12 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
             def hop(blk, h, state, d=d):
                 home, c0 = state
                 c, home = tile(blk, a, d * h, home)
-                return (None, (home, c)) if h == 0 else (c, (home, c0))
+                start = isinstance(h, int) and h == 0  # visit_start's own block
+                return (None, (home, c)) if start else (c, (home, c0))
 
+            every = all(sched.needs(a, d * h) for h in range(1, m + 1))
             acc, state = chain(inner, Ni, sign * d, m, block, hop, state, dtypes,
-                               visit_start=center and i == 0)
+                               visit_start=center and i == 0, rolled=None if every else False)
             contrib = add(contrib, acc)
         home, c0 = state
         return add(c0, contrib), home
@@ -227,9 +244,10 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
                 return None, (home, c)
             return (zeros() if grads and c is None else c), (home, c0)
 
-        # the first inter-node hop is issued before round 0 computes (visit_start)
+        # the first inter-node hop is issued before round 0 computes (visit_start); the
+        # rounds stay unrolled: which intra-node hops a round makes depends on its offset
         acc, state = chain(outer, No, sign * d, n, travel, rnd, state, home_dtypes,
-                           visit_start=i == 0)
+                           visit_start=i == 0, rolled=False)
         total = add(total, acc)
     home, c0 = state
     return add(c0, total), home
@@ -249,7 +267,7 @@ def _forward(cfg: AttnConfig, q, k, v, seg):
         kc, vc, sc = block
         src = w.shard(a, b)
         o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, w.positions(src), seg, sc, w.me, src,
-                              same=(a, b) == (0, 0))
+                              same=_own(a, b))
         return None, merge(*home, o_s, lse_s)
 
     _, (o, lse) = _traverse(cfg, _schedule(cfg, T), (k, v, seg), visit, (o, lse))
@@ -270,7 +288,7 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
         src = w.shard(a, b)
         dq_s, dk_s, dv_s = pair_bwd(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
                                     w.positions(src), seg, sc, w.me, src,
-                                    same=(a, b) == (0, 0), o=o_home)
+                                    same=_own(a, b), o=o_home)
         return (dk_s, dv_s), add(dq, dq_s)
 
     def zeros():
@@ -297,7 +315,7 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
             dc = attention_delta(oc, doc)
         src = w.shard(-a, -b)  # the owner of the query block: (n + a, l + b)
         dq_s, dk_s, dv_s = pair_bwd(cfg, qc, k, v, lc, doc, dc, w.positions(src), kv_pos,
-                                    sc, seg, src, w.me, same=(a, b) == (0, 0), o=oc)
+                                    sc, seg, src, w.me, same=_own(a, b), o=oc)
         return dq_s, add(dkv, (dk_s, dv_s))
 
     def zeros():

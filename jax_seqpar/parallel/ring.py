@@ -4,7 +4,7 @@ Forward (Ring Attention; BurstAttention Alg. 1): each device keeps its query blo
 passes its key/value block along the ring with ``ppermute``; after ``h`` hops device ``i``
 holds the block of device ``(i - h) mod G``, computes the tile with the local kernel while
 the block travels on, and merges ``(o, lse)`` online (``merge.py``); the hops between the
-first and the last are one ``fori_loop`` (``ROLL_HOPS``).  The static
+first and the last are one ``fori_loop`` (``ring_common.ROLL_HOPS``).  The static
 ``schedule.ring_schedule`` decides how far the blocks travel: the whole ring (``G - 1``
 hops) for dense and causal masks, only as far as a sliding window reaches otherwise (a
 chain of hops to the left neighbours and one to the right).  Each (query device, key
@@ -59,13 +59,6 @@ from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
 from jax_seqpar.parallel.ring_common import chain, make_ring_vjp
 
 F32 = jnp.float32
-
-# The hops between the first and the last run as one ``lax.fori_loop`` (``chain``'s
-# ``rolled``): the program holds three copies of a tile however long the ring, where
-# unrolled it held one per hop.  ``benchmarks/ring_roll.py`` times both (compile and step;
-# RESULTS.md, "Rolled ring hops"); ``False`` unrolls every hop, the form before 2026-11-27.
-ROLL_HOPS = True
-
 
 def ring_attention(
     q: Float[Array, "B T Hq D"],
@@ -151,8 +144,7 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
         def hop_visit(block, hop, home, direction=direction):
             return None, visit(*home, block, (idx - direction * hop) % G)
 
-        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (k, v, seg), hop_visit, (o, lse),
-                            rolled=ROLL_HOPS)
+        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (k, v, seg), hop_visit, (o, lse))
     return o, lse
 
 
@@ -181,8 +173,7 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
             return (dk_s, dv_s), dq + dq_s
 
         (dk_home, dv_home), dq = chain(cfg.axis_name, G, direction, n,
-                                       (jnp.stack([k, v]), seg), visit, dq, (k.dtype, v.dtype),
-                                       rolled=ROLL_HOPS)
+                                       (jnp.stack([k, v]), seg), visit, dq, (k.dtype, v.dtype))
         dk, dv = dk + dk_home, dv + dv_home
     return dq, dk, dv
 
@@ -221,7 +212,7 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
 
         rows = o if needs_o else delta
         dq_home, (dk, dv) = chain(cfg.axis_name, G, qdir, n, (q, do, rows, lse, seg), visit,
-                                  (dk, dv), q.dtype, rolled=ROLL_HOPS)
+                                  (dk, dv), q.dtype)
         dq = dq + dq_home
     return dq, dk, dv
 

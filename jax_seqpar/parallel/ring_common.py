@@ -28,6 +28,15 @@ from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, AxisName,
                                         send)
 
 
+# The hops between the first and the last run as one ``lax.fori_loop`` (``chain``'s
+# ``rolled``): the program holds at most three copies of a tile however long the ring,
+# where unrolled it held one per hop.  Read when a ring is traced (``chain`` with
+# ``rolled=None``), by the 1-D ring and by the double ring's intra-node chains;
+# ``benchmarks/ring_roll.py`` times both forms (RESULTS.md, "Rolled ring hops").  ``False``
+# unrolls every hop, the form before 2026-11-27.
+ROLL_HOPS = True
+
+
 def add(a, b):
     """``a + b`` for pytrees of arrays, where ``None`` stands for zero."""
     if a is None:
@@ -38,7 +47,7 @@ def add(a, b):
 
 
 def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, home,
-          home_dtypes=None, *, visit_start: bool = False, rolled: bool = False):
+          home_dtypes=None, *, visit_start: bool = False, rolled=None):
     """Move ``travel`` ``n`` hops in ``direction`` along ``axis_name`` (``num`` devices)
     and visit each device on the way.
 
@@ -58,8 +67,11 @@ def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, 
     the program holds at most three copies of a tile whatever ``n`` is, and tracing and
     compiling no longer grow with the ring.  The last hop stays apart because it issues
     no next transfer, and with an accumulator the first too, because it creates it.
-    Without ``rolled`` every hop is its own copy (``visit`` may branch on ``hop``).
+    With ``rolled=False`` every hop is its own copy (``visit`` may branch on ``hop``);
+    ``None`` (the default) takes ``ROLL_HOPS``.
     """
+    if rolled is None:
+        rolled = ROLL_HOPS
     rev = direction < 0
     shift = functools.partial(ring_shift, axis_name=axis_name, num=num, reverse=rev)
     grads = home_dtypes is not None
