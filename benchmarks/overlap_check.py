@@ -18,6 +18,8 @@ counted apart ("synchronous on the GPU") and fail the check too.
 
     python benchmarks/overlap_check.py [--seq 65536] [--causal] [--backward kv|q]
     python benchmarks/overlap_check.py --strategy double_ring --nodes 2 --causal
+    python benchmarks/overlap_check.py --causal --unrolled --dump-hlo   # every hop unrolled,
+                                                     # the scheduled HLO of both phases to $OUT
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
-from jax_seqpar.runtime.overlap import overlap_report  # noqa: E402
+from jax_seqpar.parallel import ring_common  # noqa: E402
+from jax_seqpar.runtime.overlap import compiled_text, overlap_windows  # noqa: E402
 
 
 def main(argv=None):
@@ -46,6 +49,10 @@ def main(argv=None):
     ap.add_argument("--strategy", default="ring", choices=("ring", "double_ring"))
     ap.add_argument("--nodes", type=int, default=2,
                     help="double_ring: size of the outer (inter-node) axis")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="every ring hop unrolled (parallel.ring_common.ROLL_HOPS = False)")
+    ap.add_argument("--dump-hlo", action="store_true",
+                    help="write each phase's scheduled HLO to $OUT")
     a = ap.parse_args(argv)
     G = jax.device_count()
     on_gpu = jax.default_backend() == "gpu"
@@ -72,11 +79,30 @@ def main(argv=None):
         _, vjp = jax.vjp(att, q, k, v)
         return vjp(do)
 
+    out = os.environ.get("OUT", "benchmarks/out")
+    os.makedirs(out, exist_ok=True)
+    name = "overlap" if a.strategy == "ring" else f"overlap_double_ring{a.nodes}x"
+    name += "_unrolled" if a.unrolled else ""
     rows, bad, sync = [], 0, 0
-    for phase, fn, args in (("forward", att, (q, k, v)), ("fwd+bwd", fwd_bwd, (q, k, v, do))):
-        for w in overlap_report(fn, *args):
+    saved, ring_common.ROLL_HOPS = ring_common.ROLL_HOPS, not a.unrolled
+    try:
+        texts = {phase: compiled_text(fn, *args) for phase, fn, args in (
+            ("forward", att, (q, k, v)), ("fwd+bwd", fwd_bwd, (q, k, v, do)))}
+    finally:
+        ring_common.ROLL_HOPS = saved
+    for phase, text in texts.items():
+        if a.dump_hlo:
+            with open(os.path.join(out, f"{name}_{phase.replace('+', '_')}.hlo.txt"), "w") as f:
+                f.write(text)
+        windows = overlap_windows(text)
+        # this device's own blocks are sent from the computation whose operands are the
+        # program's inputs; any other collective there forwards a block it received, and so
+        # does every hop inside a loop body (a rolled ring's middle hops)
+        entry = {w.computation for w in windows if w.operand_ops == ("parameter",)}
+        for w in windows:
             axis = w.axes(mesh)
-            forwarded = w.operand_ops == ("collective-permute",)
+            forwarded = (w.operand_ops == ("collective-permute",)
+                         or (w.computation not in entry and "parameter" not in w.operand_ops))
             if not w.gradient:
                 needs = ((forwarded and axis == inner) or axis == "node")
                 if forwarded and axis == inner and not w.overlapped:
@@ -101,9 +127,6 @@ def main(argv=None):
         print(f"{r['phase']:<8} {r['collective']:<28} {r['axis']:<6} {str(r['async']):>5} "
               f"{str(r['gradient']):>5} {str(r['forwards_block']):>4} {r['window']:>6} "
               f"{r['compute_until_needed']:>5}  {', '.join(r['kernel_compute'][:3])}")
-    out = os.environ.get("OUT", "benchmarks/out")
-    os.makedirs(out, exist_ok=True)
-    name = "overlap" if a.strategy == "ring" else f"overlap_double_ring{a.nodes}x"
     with open(os.path.join(out, f"{name}_{jax.default_backend()}{G}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"activation hops without kernel compute where they need it: {bad}"
