@@ -94,15 +94,12 @@ def main(argv=None):
         if a.dump_hlo:
             with open(os.path.join(out, f"{name}_{phase.replace('+', '_')}.hlo.txt"), "w") as f:
                 f.write(text)
-        windows = overlap_windows(text)
-        # this device's own blocks are sent from the computation whose operands are the
-        # program's inputs; any other collective there forwards a block it received, and so
-        # does every hop inside a loop body (a rolled ring's middle hops)
-        entry = {w.computation for w in windows if w.operand_ops == ("parameter",)}
-        for w in windows:
+        # a hop "forwards" a block when its operand is the block a collective brought; a
+        # rolled ring's loop-body hops forward the loop's carry instead, and are not
+        # counted as forwarding here (their operands do not say which hop they are)
+        for w in overlap_windows(text):
             axis = w.axes(mesh)
-            forwarded = (w.operand_ops == ("collective-permute",)
-                         or (w.computation not in entry and "parameter" not in w.operand_ops))
+            forwarded = w.operand_ops == ("collective-permute",)
             if not w.gradient:
                 needs = ((forwarded and axis == inner) or axis == "node")
                 if forwarded and axis == inner and not w.overlapped:
