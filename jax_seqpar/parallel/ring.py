@@ -60,6 +60,7 @@ from jax_seqpar.parallel.ring_common import chain, make_ring_vjp
 
 F32 = jnp.float32
 
+
 def ring_attention(
     q: Float[Array, "B T Hq D"],
     k: Float[Array, "B T Hkv D"],
