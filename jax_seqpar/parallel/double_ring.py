@@ -67,7 +67,7 @@ from jax_seqpar.parallel.common import FWD_SCOPE, AttnConfig, axis_size, make_co
 from jax_seqpar.parallel.costs import DoubleRingShape, choose_backward
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
-from jax_seqpar.parallel.ring_common import add, chain, make_ring_vjp
+from jax_seqpar.parallel.ring_common import add, chain, make_ring_vjp, stack_for_travel
 from jax_seqpar.parallel.schedule import DoubleRingSchedule, double_ring_schedule
 
 F32 = jnp.float32
@@ -264,13 +264,15 @@ def _forward(cfg: AttnConfig, q, k, v, seg):
     o, lse = vary_like((o, lse), q, k, v)
 
     def visit(block, a, b, home):
-        kc, vc, sc = block
+        vk, sc = block
         src = w.shard(a, b)
-        o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, w.positions(src), seg, sc, w.me, src,
-                              same=_own(a, b))
+        o_s, lse_s = pair_fwd(cfg, q, vk[1], vk[0], q_pos, w.positions(src), seg, sc, w.me,
+                              src, same=_own(a, b))
         return None, merge(*home, o_s, lse_s)
 
-    _, (o, lse) = _traverse(cfg, _schedule(cfg, T), (k, v, seg), visit, (o, lse))
+    # one collective per hop (ring_common.stack_for_travel)
+    _, (o, lse) = _traverse(cfg, _schedule(cfg, T), (stack_for_travel(k, v), seg), visit,
+                            (o, lse))
     return o, lse
 
 

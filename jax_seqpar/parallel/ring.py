@@ -56,7 +56,7 @@ from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
-from jax_seqpar.parallel.ring_common import chain, make_ring_vjp
+from jax_seqpar.parallel.ring_common import chain, make_ring_vjp, stack_for_travel
 
 F32 = jnp.float32
 
@@ -141,11 +141,14 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
     # the own block starts the running (o, lse): a merge with the empty (0, -inf) would
     # give it back bit for bit, at the cost of a pass over o
     o, lse = visit(None, None, (k, v, seg), idx, same=True)
-    for direction, n in _schedule(cfg, T, G).chains():
+    chains = _schedule(cfg, T, G).chains()
+    vk = stack_for_travel(k, v) if chains else None
+    for direction, n in chains:
         def hop_visit(block, hop, home, direction=direction):
-            return None, visit(*home, block, (idx - direction * hop) % G)
+            vk, sc = block
+            return None, visit(*home, (vk[1], vk[0], sc), (idx - direction * hop) % G)
 
-        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (k, v, seg), hop_visit, (o, lse))
+        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (vk, seg), hop_visit, (o, lse))
     return o, lse
 
 

@@ -37,6 +37,21 @@ from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, AxisName,
 ROLL_HOPS = True
 
 
+def stack_for_travel(k, v):
+    """The forward's key/value block as one buffer, ``[V, K]``, so that each hop is one
+    collective.
+
+    XLA's GPU scheduler keeps one asynchronous collective in flight at a time by default
+    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1). With K and V
+    sent apart, one of the two found no tile left for its window and ran synchronously,
+    alone on the compute stream (RESULTS.md, "The double ring on GPUs, and which ring hops
+    overlap there"). V comes first because the ``kv`` backward sends ``[K, V]``: the same
+    transfers in both would be merged by XLA (CSE), which would keep every received block
+    alive from the forward to the backward.
+    """
+    return jnp.stack([v, k])
+
+
 def add(a, b):
     """``a + b`` for pytrees of arrays, where ``None`` stands for zero."""
     if a is None:
