@@ -126,6 +126,16 @@ def choose_preset(presets: dict, name=None):
     return name, presets[name]
 
 
+def parse_mesh(text: str):
+    """``"NOxNI"`` (e.g. ``"2x4"``) as ``(nodes, local)``, or ``None`` when it is not two
+    positive integers joined by ``x`` (the double ring's ``--mesh``)."""
+    try:
+        nodes, local = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        return None
+    return (nodes, local) if min(nodes, local) >= 1 else None
+
+
 def rel(a, b) -> float:
     """``||a - b|| / ||b||`` in float32."""
     import jax.numpy as jnp

@@ -133,14 +133,6 @@ def steps(cfg, case: str, meshes) -> dict:
                 device_ms=dev)
 
 
-def _parse_mesh(text: str):
-    try:
-        nodes, local = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        return None
-    return (nodes, local) if min(nodes, local) >= 1 else None
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
@@ -156,7 +148,7 @@ def main(argv=None):
 
     import jax
 
-    from _util import choose_preset, env_info, out_dir, save_json
+    from _util import choose_preset, env_info, out_dir, parse_mesh, save_json
 
     preset, cfg = choose_preset(PRESETS, args.preset)
     cfg = json.loads(args.config) if args.config else dict(cfg)
@@ -166,7 +158,7 @@ def main(argv=None):
         cfg["backward"] = args.backward
     G = jax.device_count()
     if args.mesh:
-        mesh = _parse_mesh(args.mesh)
+        mesh = parse_mesh(args.mesh)
         if mesh is None:
             p.error(f"--mesh: expected NOxNI such as 2x4, got {args.mesh!r}")
     else:

@@ -220,7 +220,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import jax
 
-    from _util import choose_preset, env_info, out_dir, save_json
+    from _util import choose_preset, env_info, out_dir, parse_mesh, save_json
 
     preset, cfg = choose_preset(PRESETS, args.preset)
     cfg = json.loads(args.config) if args.config else dict(cfg)
@@ -229,12 +229,10 @@ def main(argv=None):
     if args.backward:
         cfg["backward"] = args.backward
     if args.mesh:
-        try:
-            cfg["mesh"] = [int(x) for x in args.mesh.lower().split("x")]
-        except ValueError:
-            cfg["mesh"] = None
-        if not cfg["mesh"] or len(cfg["mesh"]) != 2 or min(cfg["mesh"]) < 1:
+        mesh = parse_mesh(args.mesh)
+        if mesh is None:
             p.error(f"--mesh: expected NOxNI such as 2x4, got {args.mesh!r}")
+        cfg["mesh"] = list(mesh)
     if args.child:
         print("CHILD " + json.dumps(child(cfg, args.child, bool(args.rolled))), flush=True)
         return 0
