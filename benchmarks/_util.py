@@ -126,6 +126,20 @@ def choose_preset(presets: dict, name=None):
     return name, presets[name]
 
 
+def preset_config(presets: dict, args):
+    """``(name, config)`` from a script's arguments: ``choose_preset(presets,
+    args.preset)``, replaced by the JSON of ``args.config`` when given (tests), then
+    ``args.cases`` (comma-separated) and ``args.backward`` where the script has them and
+    they are set."""
+    name, cfg = choose_preset(presets, args.preset)
+    cfg = json.loads(args.config) if args.config else dict(cfg)
+    if getattr(args, "cases", None):
+        cfg["cases"] = args.cases.split(",")
+    if getattr(args, "backward", None):
+        cfg["backward"] = args.backward
+    return name, cfg
+
+
 def parse_mesh(text: str):
     """``"NOxNI"`` (e.g. ``"2x4"``) as ``(nodes, local)``, or ``None`` when it is not two
     positive integers joined by ``x`` (the double ring's ``--mesh``)."""

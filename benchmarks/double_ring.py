@@ -144,18 +144,12 @@ def main(argv=None):
                    help="which of check, steps to run (comma-separated)")
     p.add_argument("--config", default=None, help="a JSON preset (tests)")
     args = p.parse_args(argv)
-    import json
 
     import jax
 
-    from _util import choose_preset, env_info, out_dir, parse_mesh, save_json
+    from _util import env_info, out_dir, parse_mesh, preset_config, save_json
 
-    preset, cfg = choose_preset(PRESETS, args.preset)
-    cfg = json.loads(args.config) if args.config else dict(cfg)
-    if args.cases:
-        cfg["cases"] = args.cases.split(",")
-    if args.backward:
-        cfg["backward"] = args.backward
+    preset, cfg = preset_config(PRESETS, args)
     G = jax.device_count()
     if args.mesh:
         mesh = parse_mesh(args.mesh)
