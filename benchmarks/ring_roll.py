@@ -1,12 +1,16 @@
-"""Rolled against unrolled ring hops: compile time, program size and step time.
+"""Two forms of the ring's hops against each other: compile time, program size, step time.
 
-``parallel.ring_common.ROLL_HOPS`` runs a ring's middle hops as one ``fori_loop``
-(``ring_common.chain``'s ``rolled``); ``False`` unrolls every hop (the form before
-2026-11-27).  For each case (``layout:mask``, forward + backward of ``jax_seqpar.attention``
-on all devices: the 1-D ring, or with ``--mesh NOxNI`` the double ring over ``NO`` nodes of
-``NI`` devices, whose intra-node chains roll) this script reports
+``--switch roll`` (the default): ``parallel.ring_common.ROLL_HOPS`` runs a ring's middle
+hops as one ``fori_loop`` (``ring_common.chain``'s ``rolled``); ``False`` unrolls every
+hop (the form before 2026-11-27).  ``--switch pack``: ``ring_common.PACK_HOPS`` sends
+whatever a hop carries as one buffer (``ring_common.Parcel``: one collective per hop);
+``False`` sends each array apart.  For each case (``layout:mask``, or ``layout:mask:docs``
+with packed documents; forward + backward of ``jax_seqpar.attention`` on all devices: the
+1-D ring, or with ``--mesh NOxNI`` the double ring over ``NO`` nodes of ``NI`` devices,
+whose intra-node chains roll) this script reports
 
-* per form, from a fresh process each (``--child``; no trace or compilation reused):
+* per form (``rolled`` / ``unrolled``, or ``packed`` / ``apart``), from a fresh process
+  each (``--child``; no trace or compilation reused):
   ``trace_s``, ``lower_s``, ``compile_s`` of the jitted gradient on abstract inputs, the
   optimised program's HLO lines and its ``while`` loops;
 * a check of both forms, for each of ``kernels``, at ``check_seq`` tokens: outputs and
@@ -21,6 +25,7 @@ The exit code is 1 when a check is over its budget.
     python benchmarks/ring_roll.py                      # 8 CPU devices, small shapes
     python benchmarks/ring_roll.py --preset gpu         # all GPUs, 128k tokens
     python benchmarks/ring_roll.py --phases check       # only the check
+    python benchmarks/ring_roll.py --preset gpu --switch pack --backward q
     XLA_FLAGS=--xla_force_host_platform_device_count=32 \
       python benchmarks/ring_roll.py --mesh 4x8         # the double ring, 32 CPU devices
 
@@ -52,16 +57,33 @@ PRESETS = {
 BUDGET = {"float32": 1e-5, "bfloat16": 2e-2}  # docs/ARCHITECTURE.md, "Numerics"
 
 
+def _case(case: str):
+    """``"layout:mask[:docs]"`` -> ``(layout, mask, docs)``; ``docs``: packed documents
+    (``_segments``)."""
+    parts = case.split(":")
+    if len(parts) not in (2, 3) or parts[2:] not in ([], ["docs"]):
+        raise SystemExit(f"case {case!r}: expected layout:mask or layout:mask:docs")
+    return parts[0], parts[1], len(parts) == 3
+
+
+def _segments(cfg, seq):
+    """Segment ids ``[batch, seq]`` of documents of ``3 * seq / 16`` tokens (the last one
+    shorter), so that documents cross device boundaries."""
+    import jax.numpy as jnp
+    ids = jnp.arange(seq, dtype=jnp.int32) // max(1, 3 * seq // 16)
+    return jnp.broadcast_to(ids, (cfg["batch"], seq))
+
+
 def _attention(cfg, layout, mask, mesh, kernel="auto"):
     import jax_seqpar as js
 
     double = len(mesh.axis_names) == 2
     axis = tuple(mesh.axis_names) if double else "sp"
 
-    def attn(q, k, v):
+    def attn(q, k, v, seg=None):
         return js.attention(q, k, v, mesh=mesh, axis_name=axis, causal=mask == "causal",
                             layout=layout, backward=cfg["backward"], kernel=kernel,
-                            strategy="double_ring" if double else "ring")
+                            strategy="double_ring" if double else "ring", segment_ids=seg)
     return attn
 
 
@@ -71,8 +93,8 @@ def _grad_fn(cfg, layout, mask, mesh):
 
     attn = _attention(cfg, layout, mask, mesh)
 
-    def loss(q, k, v):
-        return (attn(q, k, v).astype("float32") ** 2).sum()
+    def loss(q, k, v, seg=None):
+        return (attn(q, k, v, seg).astype("float32") ** 2).sum()
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -89,16 +111,29 @@ def _inputs(cfg, abstract: bool, seq=None, heads=None, n: int = 3):
     return [jax.random.normal(k, shape, jnp.float32).astype(dt) for k in keys]
 
 
+#: ``--switch``: the ``parallel.ring_common`` flag, and the names of its two forms (on, off)
+SWITCHES = {"roll": ("ROLL_HOPS", ("rolled", "unrolled")),
+            "pack": ("PACK_HOPS", ("packed", "apart"))}
+
+
+def _forms(cfg):
+    """``[(name, on), ...]`` of ``cfg["switch"]``: the default form first."""
+    on, off = SWITCHES[cfg.get("switch", "roll")][1]
+    return [(on, True), (off, False)]
+
+
 @contextlib.contextmanager
-def _form(rolled: bool):
-    """``parallel.ring_common.ROLL_HOPS`` set to ``rolled`` while a program is traced,
-    then put back (a test runs this script inside a pytest worker)."""
+def _form(cfg, on: bool):
+    """The ``ring_common`` flag of ``cfg["switch"]`` set to ``on`` while a program is
+    traced, then put back (a test runs this script inside a pytest worker)."""
     from jax_seqpar.parallel import ring_common
-    saved, ring_common.ROLL_HOPS = ring_common.ROLL_HOPS, rolled
+    flag = SWITCHES[cfg.get("switch", "roll")][0]
+    saved = getattr(ring_common, flag)
+    setattr(ring_common, flag, on)
     try:
         yield
     finally:
-        ring_common.ROLL_HOPS = saved
+        setattr(ring_common, flag, saved)
 
 
 def _mesh(cfg):
@@ -116,15 +151,17 @@ def _mesh(cfg):
                          devices=jax.devices()[:nodes * local])
 
 
-def child(cfg, case: str, rolled: bool) -> dict:
+def child(cfg, case: str, on: bool) -> dict:
     """Trace, lower and compile one case in this (fresh) process."""
     import jax
 
     from jax_seqpar.parallel import ring_common
-    ring_common.ROLL_HOPS = rolled
-    layout, mask = case.split(":")
+    setattr(ring_common, SWITCHES[cfg.get("switch", "roll")][0], on)
+    layout, mask, docs = _case(case)
     fn = _grad_fn(cfg, layout, mask, _mesh(cfg))
     args = _inputs(cfg, abstract=True)
+    if docs:
+        args.append(jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"]), jax.numpy.int32))
     jax.jit(lambda x: x + 1)(jax.numpy.zeros(4)).block_until_ready()  # backend start-up
     t0 = time.perf_counter()
     traced = fn.trace(*args)
@@ -134,21 +171,21 @@ def child(cfg, case: str, rolled: bool) -> dict:
     compiled = lowered.compile()
     t3 = time.perf_counter()
     text = compiled.as_text()
-    return dict(case=case, rolled=rolled, trace_s=t1 - t0, lower_s=t2 - t1,
-                compile_s=t3 - t2, total_s=t3 - t0, hlo_lines=text.count("\n"),
+    return dict(case=case, form={v: k for k, v in _forms(cfg)}[on], trace_s=t1 - t0,
+                lower_s=t2 - t1, compile_s=t3 - t2, total_s=t3 - t0, hlo_lines=text.count("\n"),
                 while_loops=text.count(" while("))
 
 
-def run_child(preset: str, cfg_json: str, case: str, rolled: bool) -> dict:
+def run_child(preset: str, cfg_json: str, case: str, on: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--preset", preset, "--config", cfg_json,
-           "--child", case, "--rolled", str(int(rolled))]
+           "--child", case, "--on", str(int(on))]
     # this process holds most of a GPU's memory already; the child only compiles
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     for line in out.stdout.splitlines():
         if line.startswith("CHILD "):
             return json.loads(line[len("CHILD "):])
-    raise RuntimeError(f"child {case} rolled={rolled} failed:\n{out.stderr[-3000:]}")
+    raise RuntimeError(f"child {case} on={on} failed:\n{out.stderr[-3000:]}")
 
 
 def check(cfg, case: str) -> dict:
@@ -160,19 +197,22 @@ def check(cfg, case: str) -> dict:
     import jax_seqpar as js
     from _util import rel
 
-    layout, mask = case.split(":")
+    layout, mask, docs = _case(case)
     mesh = _mesh(cfg)
     q, k, v, do = _inputs(cfg, abstract=False, seq=cfg["check_seq"],
                           heads=cfg["check_heads"], n=4)
+    seg = _segments(cfg, cfg["check_seq"]) if docs else None
     f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-    ref = lambda q, k, v: js.reference_attention(q, k, v, causal=mask == "causal")[0]
+    ref = lambda q, k, v: js.reference_attention(q, k, v, causal=mask == "causal",  # noqa
+                                                 segment_ids=seg)[0]
     ro, rvjp = jax.vjp(ref, *f32[:3])
     want = (ro, *rvjp(f32[3]))
     errs = {}
     for kernel in cfg["kernels"]:
-        for name, rolled in (("rolled", True), ("unrolled", False)):
-            with _form(rolled):
-                o, vjp = jax.vjp(_attention(cfg, layout, mask, mesh, kernel), q, k, v)
+        for name, on in _forms(cfg):
+            with _form(cfg, on):
+                attn = _attention(cfg, layout, mask, mesh, kernel)
+                o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, seg), q, k, v)  # noqa: B023
                 got = (o, *vjp(do))
             errs[f"{kernel}/{name}"] = max(rel(a, b) for a, b in zip(got, want))
     return errs
@@ -186,16 +226,19 @@ def steps(cfg, case: str) -> dict:
     from _profile import device_rounds
     from _util import timed_rounds
 
-    layout, mask = case.split(":")
+    layout, mask, docs = _case(case)
     mesh = _mesh(cfg)
     args = _inputs(cfg, abstract=False)
+    if docs:
+        args.append(_segments(cfg, cfg["seq"]))
     fns, outs = {}, {}
-    for name, rolled in (("rolled", True), ("unrolled", False)):
-        with _form(rolled):
+    for name, on in _forms(cfg):
+        with _form(cfg, on):
             fns[name] = _grad_fn(cfg, layout, mask, mesh)
             outs[name] = jax.block_until_ready(fns[name](*args))  # traced with this form
+    first, second = (jax.tree.leaves(o) for o in outs.values())
     diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-               for a, b in zip(jax.tree.leaves(outs["rolled"]), jax.tree.leaves(outs["unrolled"])))
+               for a, b in zip(first, second))
     calls = {n: (f, args) for n, f in fns.items()}
     wall = timed_rounds(calls, cfg["rounds"])
     dev = device_rounds(calls, cfg["rounds"]) if jax.default_backend() == "gpu" else {}
@@ -206,17 +249,21 @@ def steps(cfg, case: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    p.add_argument("--cases", default=None, help="layout:mask entries, comma-separated")
+    p.add_argument("--cases", default=None,
+                   help="layout:mask[:docs] entries, comma-separated (docs: packed documents)")
     p.add_argument("--backward", default=None, choices=("kv", "q", "auto"),
                    help="the ring's backward (default: the preset's)")
     p.add_argument("--mesh", default=None,
                    help="NOxNI: the double ring over NO nodes of NI devices (default: the "
                         "1-D ring over all devices)")
+    p.add_argument("--switch", default=None, choices=sorted(SWITCHES),
+                   help="roll (default): rolled against unrolled hops; pack: each hop's "
+                        "arrays as one buffer against apart")
     p.add_argument("--phases", default="check,compile,steps",
                    help="which of check, compile, steps to run (comma-separated)")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rolled", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--on", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import jax
 
@@ -228,15 +275,18 @@ def main(argv=None):
         if mesh is None:
             p.error(f"--mesh: expected NOxNI such as 2x4, got {args.mesh!r}")
         cfg["mesh"] = list(mesh)
+    if args.switch:
+        cfg["switch"] = args.switch
     if args.child:
-        print("CHILD " + json.dumps(child(cfg, args.child, bool(args.rolled))), flush=True)
+        print("CHILD " + json.dumps(child(cfg, args.child, bool(args.on))), flush=True)
         return 0
     info = env_info()
     print(f"# {info}\n# preset {preset}: {cfg}", flush=True)
     result = {"env": info, "preset": preset, "config": cfg, "check": {}, "compile": [],
               "steps": []}
     mesh = "_{}x{}".format(*cfg["mesh"]) if cfg.get("mesh") else ""
-    path = os.path.join(out_dir(), f"ring_roll_{preset}_{cfg['backward']}{mesh}.json")
+    switch = "" if cfg.get("switch", "roll") == "roll" else f"_{cfg['switch']}"
+    path = os.path.join(out_dir(), f"ring_roll_{preset}_{cfg['backward']}{mesh}{switch}.json")
     phases = set(args.phases.split(","))
     if phases - {"check", "compile", "steps"}:
         p.error(f"--phases: unknown {sorted(phases - {'check', 'compile', 'steps'})}")
@@ -250,10 +300,10 @@ def main(argv=None):
               + (" PASS" if all(e <= budget for e in errs.values()) else " FAIL"), flush=True)
         save_json(result, path)
     for case in cfg["cases"] if "compile" in phases else ():
-        for rolled in (False, True):
-            row = run_child(preset, json.dumps(cfg), case, rolled)
+        for name, on in _forms(cfg)[::-1]:
+            row = run_child(preset, json.dumps(cfg), case, on)
             result["compile"].append(row)
-            print(f"{case:20s} {'rolled' if rolled else 'unrolled':8s} trace {row['trace_s']:.2f} "
+            print(f"{case:20s} {name:8s} trace {row['trace_s']:.2f} "
                   f"lower {row['lower_s']:.2f} compile {row['compile_s']:.2f} total "
                   f"{row['total_s']:.2f} s, {row['hlo_lines']} HLO lines, "
                   f"{row['while_loops']} while", flush=True)
@@ -261,7 +311,8 @@ def main(argv=None):
     for case in cfg["cases"] if "steps" in phases else ():
         row = steps(cfg, case)
         result["steps"].append(row)
-        print(f"{case:20s} max |rolled - unrolled| {row['max_abs_diff']:.1e}; wall ms "
+        print(f"{case:20s} max |{' - '.join(n for n, _ in _forms(cfg))}| "
+              f"{row['max_abs_diff']:.1e}; wall ms "
               f"{row['wall_ms']}; device ms {row['device_ms']}", flush=True)
         save_json(result, path)
     print("wrote", path)

@@ -203,7 +203,7 @@ def attention(
                       bwd_has_o=strategy != "tree")  # tree's backward passes delta only
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
     key = (cfg, strategy, mesh, G, permuted, len(args), batch_axis, head_axis, repeats,
-           _ring_common.ROLL_HOPS)
+           (_ring_common.ROLL_HOPS, _ring_common.PACK_HOPS))
     try:
         hash(key)
     except TypeError:  # e.g. a user kernel object that is not hashable: no caching
@@ -232,15 +232,15 @@ def auto_layout(segment_ids, *, S: int, G: int, causal: bool, window=None, block
 
 @functools.lru_cache(maxsize=256)
 def _program(cfg, strategy: str, mesh, G: int, permuted: bool, nargs: int,
-             batch_axis=None, head_axis=None, repeats: int = 1, roll_hops: bool = True):
+             batch_axis=None, head_axis=None, repeats: int = 1, hops=(True, True)):
     """The jitted global program for one static configuration (cached, so repeated eager
     calls reuse the compiled executable instead of tracing a fresh closure each time).
 
     ``G`` is the number of layout shards: the devices of ``axis_name``, but for "usp"
     only those of the outer (ring) axis (``parallel.ulysses``, token order).  ``repeats``:
     how often each kv head is repeated for ``head_axis`` (``sharding.specs``).
-    ``roll_hops``: ``parallel.ring_common.ROLL_HOPS``, which the rings read when traced;
-    only a key here, so that a program of the other form is not reused."""
+    ``hops``: ``parallel.ring_common``'s ``(ROLL_HOPS, PACK_HOPS)``, which the rings
+    read when traced; only a key here, so that a program of another form is not reused."""
     per_device = {"ring": ring_attention_with_config,
                   "allgather": allgather_attention_with_config,
                   "tree": tree_sequence_attention_with_config,

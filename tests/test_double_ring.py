@@ -162,7 +162,7 @@ def _windows(name):
 
 @pytest.mark.parametrize("name", ["zigzag_gqa_kv_2x4", "zigzag_segments_q_4x2"])
 def test_overlap_forward(name):
-    """Forward (BurstEngine Fig. 5, activations): K, V (one buffer, and the ids) make G - No hops over
+    """Forward (BurstEngine Fig. 5, activations): K, V and the ids (one buffer) make G - No hops over
     ``local`` and No - 1 over ``node``.  Every inter-node hop has tiles scheduled before
     a kernel reads the block it brings (the round in hand computes while it travels) and
     tiles that do not depend on it at all; every intra-node hop that forwards a received
@@ -174,7 +174,7 @@ def test_overlap_forward(name):
     """
     c, mesh, fwd, _ = _windows(name)
     No, Ni = c.mesh
-    arrays = 2 if c.segments else 1  # K and V in one buffer (stack_for_travel); the ids
+    arrays = 1  # K, V and the ids in one buffer (ring_common.Parcel)
     assert all(w.kind == "collective-permute" and not w.is_async for w in fwd)  # CPU
     by_axis = {a: [w for w in fwd if w.axes(mesh) == a] for a in AXES}
     assert len(by_axis["node"]) == arrays * (No - 1)
@@ -186,11 +186,10 @@ def test_overlap_forward(name):
     assert not any(w.gradient for w in fwd)
     for w in by_axis["node"]:
         assert w.compute_until_needed and w.independent, (w.collective, w.until_needed)
-    # K and V that arrived (the int32 segment ids are read by no kernel before they are
-    # sent on): all but round 0's first hop, which sends this device's own (stacked)
+    # K and V that arrived: all but round 0's first hop, which sends this device's own
+    # (packed)
     forwarded = [w for w in by_axis["local"]
-                 if w.operand_ops in (("collective-permute",), ("copy",))
-                 and " s32[" not in w.line.split("collective-permute")[0]]
+                 if w.operand_ops in (("collective-permute",), ("copy",))]
     assert len(forwarded) == No * hops - 1
     if Ni > 2:  # each round's loop body forwards K and V once: No bodies beside the entry
         entry = {w.computation for w in by_axis["node"]}  # inter-node hops: never in a loop
@@ -209,15 +208,15 @@ def test_overlap_backward(name):
     have tiles scheduled before a kernel reads them; no tile depends on any gradient
     accumulator hop (it is added to and sent on one round late, BurstEngine's warm-up),
     so each has independent tiles to hide behind.  The accumulators cross nodes No - 1
-    times per array: No - 2 float32 hops and one hop home."""
+    times: No - 2 float32 hops and one hop home (dK and dV in one buffer)."""
     c, mesh, _, bwd = _windows(name)
     No, Ni = c.mesh
     acts = [w for w in bwd if not w.gradient]
     grads = [w for w in bwd if w.gradient]
     for w in acts:
         assert w.compute_until_needed, (w.collective, w.until_needed)
-    acc_arrays = 2 if c.backward == "kv" else 1
-    assert len([w for w in grads if w.axes(mesh) == "node"]) == acc_arrays * (No - 1)
+    # dK and dV in one buffer (ring_common.Parcel), as dQ
+    assert len([w for w in grads if w.axes(mesh) == "node"]) == No - 1
     for w in grads:
         assert w.feeds == () and w.independent, (w.collective, w.feeds)
 

@@ -86,7 +86,7 @@ def _ring_windows(causal, backward, rolled=True):
 @pytest.mark.parametrize("rolled", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_forward_prefetch_overlaps_the_kernel(causal, rolled):
-    """Forward, G=4 (3 hops of K and V, one buffer: ``ring_common.stack_for_travel``):
+    """Forward, G=4 (3 hops of K and V, one buffer: ``ring_common.Parcel``):
     the CPU emits synchronous collective-permutes; every hop that forwards a received
     block (the prefetch of the next block) has the kernel's tile computation scheduled
     before its block is used.
@@ -112,8 +112,10 @@ def test_ring_forward_prefetch_overlaps_the_kernel(causal, rolled):
 
 
 @pytest.mark.parametrize("backward,activations,gradients", [
-    ("kv", 3, 6),   # stacked K/V x 3 hops; dK, dV: 2 accumulator hops + 1 hop home each
-    ("q", 12, 3),   # Q, dO, D, lse x 3 hops; dQ: 2 accumulator hops + 1 hop home
+    # one buffer per hop (ring_common.Parcel): K, V x 3 hops; dK and dV together: 2
+    # accumulator hops + 1 hop home
+    ("kv", 3, 3),
+    ("q", 3, 3),    # Q, dO, D, lse x 3 hops; dQ: 2 accumulator hops + 1 hop home
 ])
 def test_ring_backward_activation_and_gradient_hops(backward, activations, gradients):
     """Backward, G=4: the windows tell activation hops (data that only travels) from

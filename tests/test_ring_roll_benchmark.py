@@ -1,5 +1,5 @@
 """benchmarks/ring_roll.py on CPU: the check of both ring forms against the reference, for
-the 1-D ring and the double ring."""
+the 1-D ring and the double ring, and of both forms of ``--switch pack``."""
 
 import json
 import sys
@@ -29,3 +29,21 @@ def test_cpu_check_of_both_forms(mesh, tmp_path, monkeypatch):
     assert set(errs) == {"auto/rolled", "auto/unrolled"}
     assert all(0 < e <= 1e-5 for e in errs.values()), errs
     assert result["compile"] == result["steps"] == []  # not asked for
+
+
+def test_cpu_check_of_packed_and_apart_hops(tmp_path, monkeypatch):
+    """``--switch pack`` on packed documents (``:docs``) with the ``q`` backward, whose
+    hops carry five arrays apart and one buffer packed."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    case = "zigzag:causal:docs"
+    cfg = dict(ring_roll.PRESETS["cpu"], seq=256, heads=2, head_dim=16, rounds=1,
+               check_seq=256, cases=[case])
+    assert ring_roll.main(["--preset", "cpu", "--config", json.dumps(cfg), "--phases", "check",
+                           "--switch", "pack", "--backward", "q"]) == 0
+    assert ring_common.PACK_HOPS  # put back
+    result = json.loads((tmp_path / "ring_roll_cpu_q_pack.json").read_text())
+    errs = result["check"][case]
+    assert set(errs) == {"auto/packed", "auto/apart"}
+    assert all(0 < e <= 1e-5 for e in errs.values()), errs
+    with pytest.raises(SystemExit, match="layout:mask"):
+        ring_roll.main(["--preset", "cpu", "--phases", "check", "--cases", "zigzag:causal:x"])

@@ -47,6 +47,7 @@ from jax_seqpar.layouts import check_divisible
 from jax_seqpar.masks import WindowArg
 from jax_seqpar.sharding.specs import head_plan, normalize_role, role_size
 from jax_seqpar.parallel.common import ATTN_LSE, ATTN_OUT, BWD_SCOPE, FWD_SCOPE, make_config
+from jax_seqpar.parallel import ring_common
 from jax_seqpar.parallel.selective import (ATTN_LSE_LATE, ATTN_OUT_LATE, EARLY_SCOPE,
                                            LATE_SCOPE)
 
@@ -139,7 +140,7 @@ def seq_selective_attention(q, k, v, *, mesh: Mesh, axis_name: Union[str, Tuple[
                       backward=backward, kernel=kernel)
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype("int32"))
     key = (cfg, "ring_selective", mesh, G, permuted, len(args), batch_axis, head_axis,
-           repeats)
+           repeats, (ring_common.ROLL_HOPS, ring_common.PACK_HOPS))
     try:
         hash(key)
     except TypeError:  # an unhashable user kernel object: no caching

@@ -67,7 +67,7 @@ from jax_seqpar.parallel.common import FWD_SCOPE, AttnConfig, axis_size, make_co
 from jax_seqpar.parallel.costs import DoubleRingShape, choose_backward
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
-from jax_seqpar.parallel.ring_common import add, chain, make_ring_vjp, stack_for_travel
+from jax_seqpar.parallel.ring_common import Parcel, add, chain, make_ring_vjp
 from jax_seqpar.parallel.schedule import DoubleRingSchedule, double_ring_schedule
 
 F32 = jnp.float32
@@ -183,11 +183,13 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
     """Walk ``travel`` (this device's block) through the double ring (Fig. 4).
 
     ``visit(block, a, b, home) -> (contrib, home)`` computes the tile at offset
-    ``(a, b)`` (``a``, ``b`` signed): the block held is that of device ``(n - a, l - b)``
-    if ``sign = 1`` (key/value blocks, as in the forward), of ``(n + a, l + b)`` if
-    ``sign = -1`` (query blocks travel the other way: the tile still pairs queries of
-    ``q`` device ``s`` with keys of ``s - (a, b)``).  ``(0, 0)`` is this device's own
-    block.  It is called only at offsets ``sched`` needs.
+    ``(a, b)`` (``a``, ``b`` signed), ``block`` being a ``ring_common.Parcel`` of
+    ``travel``'s arrays (one collective per hop, whatever it holds): the block held is
+    that of device ``(n - a, l - b)`` if ``sign = 1`` (key/value blocks, as in the
+    forward), of ``(n + a, l + b)`` if ``sign = -1`` (query blocks travel the other
+    way: the tile still pairs queries of ``q`` device ``s`` with keys of ``s - (a, b)``).
+    ``(0, 0)`` is this device's own block.  It is called only at offsets ``sched``
+    needs.
 
     With ``home_dtypes`` the blocks carry accumulators (``chain``); returns
     ``(the sum of every device's contribution to this device's own block, home)``;
@@ -196,6 +198,7 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
     outer, inner = cfg.axis_name
     No, Ni = sched.nodes, sched.local
     grads = home_dtypes is not None
+    travel = Parcel.of(travel)  # one buffer through both rings: ``visit`` unpacks it
     f32 = None if not grads else jax.tree.map(lambda _: F32, home_dtypes)
 
     def tile(block, a, b, home):
@@ -264,21 +267,21 @@ def _forward(cfg: AttnConfig, q, k, v, seg):
     o, lse = vary_like((o, lse), q, k, v)
 
     def visit(block, a, b, home):
-        vk, sc = block
+        vc, kc, sc = block.unpack()
         src = w.shard(a, b)
-        o_s, lse_s = pair_fwd(cfg, q, vk[1], vk[0], q_pos, w.positions(src), seg, sc, w.me,
+        o_s, lse_s = pair_fwd(cfg, q, kc, vc, q_pos, w.positions(src), seg, sc, w.me,
                               src, same=_own(a, b))
         return None, merge(*home, o_s, lse_s)
 
-    # one collective per hop (ring_common.stack_for_travel)
-    _, (o, lse) = _traverse(cfg, _schedule(cfg, T), (stack_for_travel(k, v), seg), visit,
-                            (o, lse))
+    # one collective per hop (ring_common.Parcel); V before K, as in ring.py
+    _, (o, lse) = _traverse(cfg, _schedule(cfg, T), (v, k, seg), visit, (o, lse))
     return o, lse
 
 
 def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
-    """Ring Attention backward on the double ring: K, V (stacked, as in ``ring.py``, so
-    that XLA cannot merge them with the forward's transfers) and dK, dV travel."""
+    """Ring Attention backward on the double ring: K, V (in the order of ``ring.py``'s
+    backward, so that XLA cannot merge them with the forward's transfers) and dK, dV
+    travel."""
     T = q.shape[1]
     w = _Where(cfg, T)
     q_pos = w.positions(w.me)
@@ -286,9 +289,9 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     o_home = o if cfg.kernel.needs_o else None
 
     def visit(block, a, b, dq):
-        kv, sc = block
+        kc, vc, sc = block.unpack()
         src = w.shard(a, b)
-        dq_s, dk_s, dv_s = pair_bwd(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
+        dq_s, dk_s, dv_s = pair_bwd(cfg, q, kc, vc, lse, do, delta, q_pos,
                                     w.positions(src), seg, sc, w.me, src,
                                     same=_own(a, b), o=o_home)
         return (dk_s, dv_s), add(dq, dq_s)
@@ -296,7 +299,7 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     def zeros():
         return vary_like((jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)), q, k, v, do)
 
-    (dk, dv), dq = _traverse(cfg, _schedule(cfg, T), (jnp.stack([k, v]), seg), visit, None,
+    (dk, dv), dq = _traverse(cfg, _schedule(cfg, T), (k, v, seg), visit, None,
                              home_dtypes=(k.dtype, v.dtype), zeros=zeros)
     return dq, dk, dv
 
@@ -311,7 +314,7 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     rows = o if needs_o else attention_delta(o, do)
 
     def visit(block, a, b, dkv):
-        qc, doc, dc, lc, sc = block
+        qc, doc, dc, lc, sc = block.unpack()
         oc = dc if needs_o else None
         if needs_o:
             dc = attention_delta(oc, doc)

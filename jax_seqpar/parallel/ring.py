@@ -56,7 +56,7 @@ from jax_seqpar.parallel.costs import RingShape, choose_backward
 from jax_seqpar.parallel.schedule import RingSchedule, ring_schedule
 from jax_seqpar.parallel.merge import merge
 from jax_seqpar.parallel.pairs import pair_bwd, pair_fwd
-from jax_seqpar.parallel.ring_common import chain, make_ring_vjp, stack_for_travel
+from jax_seqpar.parallel.ring_common import chain, make_ring_vjp
 
 F32 = jnp.float32
 
@@ -141,23 +141,26 @@ def _ring_forward(cfg: AttnConfig, q, k, v, seg, half: Optional[int] = None):
     # the own block starts the running (o, lse): a merge with the empty (0, -inf) would
     # give it back bit for bit, at the cost of a pass over o
     o, lse = visit(None, None, (k, v, seg), idx, same=True)
-    chains = _schedule(cfg, T, G).chains()
-    vk = stack_for_travel(k, v) if chains else None
-    for direction, n in chains:
+    for direction, n in _schedule(cfg, T, G).chains():
         def hop_visit(block, hop, home, direction=direction):
-            vk, sc = block
-            return None, visit(*home, (vk[1], vk[0], sc), (idx - direction * hop) % G)
+            vc, kc, sc = block.unpack()
+            return None, visit(*home, (kc, vc, sc), (idx - direction * hop) % G)
 
-        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (vk, seg), hop_visit, (o, lse))
+        # V before K: the kv backward sends (K, V, ids), and the very same transfers
+        # would be merged by XLA (CSE), keeping every received block alive from the
+        # forward to the backward
+        _, (o, lse) = chain(cfg.axis_name, G, direction, n, (v, k, seg), hop_visit,
+                            (o, lse))
     return o, lse
 
 
 def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
     """Ring Attention backward: K, V (and dK, dV) travel; Q, dO, lse, delta stay home.
 
-    K and V travel stacked in one buffer.  Sent separately they would be the very same
-    transfers as the forward's, XLA would merge the two (CSE), and every rotated K/V block
-    would stay alive from forward to backward: O(S) memory per device instead of O(S/G).
+    K, V and the ids travel in one buffer (``ring_common.Parcel``), in another order than
+    the forward's: the same transfers would be merged by XLA (CSE), and every rotated K/V
+    block would stay alive from forward to backward: O(S) memory per device instead of
+    O(S/G).
     """
     B, T, Hq, D = q.shape
     G = axis_size(cfg.axis_name)
@@ -169,15 +172,15 @@ def _backward_kv(cfg: AttnConfig, q, k, v, seg, o, lse, do):
                           same=True, o=o_home)
     for direction, n in _schedule(cfg, T, G).chains():
         def visit(block, hop, dq, direction=direction):
-            kv, sc = block
+            kc, vc, sc = block.unpack()
             src = (idx - direction * hop) % G
-            dq_s, dk_s, dv_s = pair_bwd(cfg, q, kv[0], kv[1], lse, do, delta, q_pos,
+            dq_s, dk_s, dv_s = pair_bwd(cfg, q, kc, vc, lse, do, delta, q_pos,
                                         _positions(cfg, src, T, G), seg, sc, idx, src,
                                         same=False, o=o_home)
             return (dk_s, dv_s), dq + dq_s
 
         (dk_home, dv_home), dq = chain(cfg.axis_name, G, direction, n,
-                                       (jnp.stack([k, v]), seg), visit, dq, (k.dtype, v.dtype))
+                                       (k, v, seg), visit, dq, (k.dtype, v.dtype))
         dk, dv = dk + dk_home, dv + dv_home
     return dq, dk, dv
 
@@ -205,7 +208,7 @@ def _backward_q(cfg: AttnConfig, q, k, v, seg, o, lse, do):
         qdir = -direction  # the query block of device a must reach device a - offset
 
         def visit(block, hop, dkv, qdir=qdir):
-            qc, doc, dc, lc, sc = block
+            qc, doc, dc, lc, sc = block.unpack()
             oc = dc if needs_o else None
             if needs_o:
                 dc = attention_delta(oc, doc)

@@ -7,7 +7,8 @@ The next hop of the block is issued before the block in hand is computed on, and
 accumulator is sent on only after its own tile: the activation and gradient overlap of
 BurstEngine §3.1, Fig. 5 (a gradient waits for one round of compute, the "warm-up").
 The double ring nests two chains: an inter-node chain whose every visit is a round of
-intra-node chains.
+intra-node chains.  Whatever a hop carries travels as one buffer (``Parcel``), so each
+hop is one collective.
 
 ``make_ring_vjp`` wraps a ring's forward and its two backwards (``"kv"``, ``"q"``) into
 one ``custom_vjp`` that saves only ``(o, lse)`` besides the inputs, tagged with
@@ -17,6 +18,7 @@ one ``custom_vjp`` that saves only ``(o, lse)`` besides the inputs, tagged with
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Dict
 
 import jax
@@ -37,19 +39,83 @@ from jax_seqpar.parallel.common import (ATTN_LSE, ATTN_OUT, BWD_SCOPE, AxisName,
 ROLL_HOPS = True
 
 
-def stack_for_travel(k, v):
-    """The forward's key/value block as one buffer, ``[V, K]``, so that each hop is one
-    collective.
+# Whatever a ring hop carries travels as one buffer (``Parcel``).  Read when a ring is
+# traced; ``False`` sends every array as its own collective, for comparison
+# (``benchmarks/ring_roll.py --switch pack`` times both; RESULTS.md, "One collective per
+# ring hop").  Apart, the ``kv`` backward's first hop sends the forward's very arrays, and
+# XLA merges the two transfers (CSE): the hop is free, its blocks stay alive from the
+# forward to the backward.
+PACK_HOPS = True
+
+
+@jax.tree_util.register_pytree_node_class
+class Parcel:
+    """A pytree of arrays (any shapes and dtypes) as one flat buffer, so that a ring hop
+    is one collective whatever travels: K and V, or Q, dO, D and lse, with segment ids,
+    and the dK, dV accumulators.
 
     XLA's GPU scheduler keeps one asynchronous collective in flight at a time by default
-    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1). With K and V
-    sent apart, one of the two found no tile left for its window and ran synchronously,
-    alone on the compute stream (RESULTS.md, "The double ring on GPUs, and which ring hops
-    overlap there"). V comes first because the ``kv`` backward sends ``[K, V]``: the same
-    transfers in both would be merged by XLA (CSE), which would keep every received block
-    alive from the forward to the backward.
+    (``--xla_gpu_experimental_parallel_collective_overlap_limit``, default 1).  Sent as
+    several collectives, the parts of a hop after the first found no tile left for their
+    window and ran synchronously, alone on the compute stream (RESULTS.md, "The double
+    ring on GPUs, and which ring hops overlap there", and "One collective per ring hop").
+
+    The parts are flattened and concatenated in a *carrier* dtype: their own when they
+    all share one, else the unsigned integer of the smallest item size, to which every
+    part is bitcast (``lax.bitcast_convert_type``; a wider part becomes several carrier
+    items), so the bytes are the parts' bytes and unpacking is exact.  ``Parcel`` is a
+    pytree whose one leaf is the buffer (the layout is static), so it can be a loop's
+    carry, ``ppermute``'s operand and ``jax.tree.map``'s argument (``add``).  With
+    ``packed=False`` (``PACK_HOPS``) its leaves are the arrays themselves.
     """
-    return jnp.stack([v, k])
+
+    def __init__(self, leaves, layout):
+        self.leaves = tuple(leaves)
+        self.layout = layout  # (treedef, ((shape, dtype), ...), carrier dtype or None)
+
+    @classmethod
+    def of(cls, tree, packed=None) -> "Parcel":
+        """Pack ``tree`` (``None`` leaves are kept as ``None``); ``packed=None`` reads
+        ``PACK_HOPS``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            raise ValueError("Parcel.of needs at least one array")
+        dtypes = [jnp.dtype(x.dtype) for x in leaves]
+        parts = tuple((tuple(x.shape), d) for x, d in zip(leaves, dtypes))
+        if not (PACK_HOPS if packed is None else packed):
+            return cls(leaves, (treedef, parts, None))
+        if len(set(dtypes)) == 1:
+            carrier = dtypes[0]
+        else:
+            carrier = jnp.dtype(f"uint{8 * min(d.itemsize for d in dtypes)}")
+        flat = [(x if x.dtype == carrier else lax.bitcast_convert_type(x, carrier))
+                .reshape(-1) for x in leaves]
+        buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        return cls((buf,), (treedef, parts, carrier))
+
+    def unpack(self):
+        """The packed tree, bit for bit."""
+        treedef, parts, carrier = self.layout
+        if carrier is None:
+            return jax.tree.unflatten(treedef, self.leaves)
+        out, start = [], 0
+        for shape, dtype in parts:
+            ratio = dtype.itemsize // carrier.itemsize
+            size = math.prod(shape) * ratio
+            x = lax.slice_in_dim(self.leaves[0], start, start + size)
+            start += size
+            if dtype != carrier:
+                x = lax.bitcast_convert_type(
+                    x.reshape(shape + ((ratio,) if ratio > 1 else ())), dtype)
+            out.append(x.reshape(shape))
+        return jax.tree.unflatten(treedef, out)
+
+    def tree_flatten(self):
+        return self.leaves, self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children, layout)
 
 
 def add(a, b):
@@ -66,8 +132,11 @@ def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, 
     """Move ``travel`` ``n`` hops in ``direction`` along ``axis_name`` (``num`` devices)
     and visit each device on the way.
 
-    ``visit(block, hop, home) -> (contrib, home)`` computes one tile with the block that
-    arrived after ``hop`` hops; ``home`` is the state that stays on this device.  With
+    ``travel`` is a pytree of arrays or a ``Parcel``; it travels as one ``Parcel`` (one
+    collective per hop), and so do the accumulators.  ``visit(block, hop, home) ->
+    (contrib, home)`` computes one tile with the ``Parcel`` that arrived after ``hop``
+    hops (``block.unpack()`` gives the arrays; a nested chain can send it on as it is);
+    ``home`` is the state that stays on this device.  With
     ``visit_start``, ``visit(travel, 0, home)`` runs too, once the first hop is issued
     (its ``contrib`` is ignored: it is this device's own, and stays in ``home``).
 
@@ -97,8 +166,10 @@ def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, 
         nxt = None if last else shift(block)
         acc = None if acc is None else shift(acc)
         contrib, home = visit(block, hop, home)
-        return nxt, (add(acc, contrib) if grads else None), home
+        return nxt, (add(acc, Parcel.of(contrib)) if grads else None), home
 
+    if not isinstance(travel, Parcel):
+        travel = Parcel.of(travel)
     block = shift(travel)
     if visit_start:  # computed while the first hop is in flight
         _, home = visit(travel, 0, home)
@@ -115,8 +186,8 @@ def chain(axis_name: AxisName, num: int, direction: int, n: int, travel, visit, 
             block, acc, home = step(hop, block, acc, home, last=hop == n)
     if not grads:
         return None, home
-    acc = jax.tree.map(lambda a, dt: a.astype(dt), acc, home_dtypes)
-    return send(acc, axis_name, num, -direction * n), home
+    acc = jax.tree.map(lambda a, dt: a.astype(dt), acc.unpack(), home_dtypes)
+    return send(Parcel.of(acc), axis_name, num, -direction * n).unpack(), home
 
 
 def make_ring_vjp(forward: Callable, backwards: Dict[str, Callable]):
