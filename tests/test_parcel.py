@@ -45,6 +45,14 @@ def test_round_trip_of_mixed_dtypes_is_exact():
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(_bits(got), _bits(want))
+    # a bool beside them (XLA bitcasts no bools): one byte each, in a uint8 carrier
+    flags = jnp.array([[True, False, True]])
+    p = Parcel.of((flags, q), packed=True)
+    assert jax.tree.leaves(p)[0].dtype == jnp.uint8
+    got_flags, got_q = p.unpack()
+    assert got_flags.dtype == jnp.bool_
+    np.testing.assert_array_equal(got_flags, flags)
+    np.testing.assert_array_equal(_bits(got_q), _bits(q))
 
 
 def test_one_dtype_needs_no_bitcast_and_parcels_add():

@@ -63,7 +63,7 @@ class Parcel:
     The parts are flattened and concatenated in a *carrier* dtype: their own when they
     all share one, else the unsigned integer of the smallest item size, to which every
     part is bitcast (``lax.bitcast_convert_type``; a wider part becomes several carrier
-    items), so the bytes are the parts' bytes and unpacking is exact.  ``Parcel`` is a
+    items, a bool one byte), so the bytes are the parts' bytes and unpacking is exact.  ``Parcel`` is a
     pytree whose one leaf is the buffer (the layout is static), so it can be a loop's
     carry, ``ppermute``'s operand and ``jax.tree.map``'s argument (``add``).  With
     ``packed=False`` (``PACK_HOPS``) its leaves are the arrays themselves.
@@ -88,8 +88,7 @@ class Parcel:
             carrier = dtypes[0]
         else:
             carrier = jnp.dtype(f"uint{8 * min(d.itemsize for d in dtypes)}")
-        flat = [(x if x.dtype == carrier else lax.bitcast_convert_type(x, carrier))
-                .reshape(-1) for x in leaves]
+        flat = [_to_carrier(x, carrier).reshape(-1) for x in leaves]
         buf = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
         return cls((buf,), (treedef, parts, carrier))
 
@@ -104,7 +103,9 @@ class Parcel:
             size = math.prod(shape) * ratio
             x = lax.slice_in_dim(self.leaves[0], start, start + size)
             start += size
-            if dtype != carrier:
+            if dtype == jnp.bool_ and carrier != dtype:
+                x = x != 0
+            elif dtype != carrier:
                 x = lax.bitcast_convert_type(
                     x.reshape(shape + ((ratio,) if ratio > 1 else ())), dtype)
             out.append(x.reshape(shape))
@@ -116,6 +117,16 @@ class Parcel:
     @classmethod
     def tree_unflatten(cls, layout, children):
         return cls(children, layout)
+
+
+def _to_carrier(x, carrier):
+    """``x`` as ``carrier`` items, bit for bit (a bool, which XLA cannot bitcast, as 0 or
+    1 in one byte)."""
+    if x.dtype == carrier:
+        return x
+    if x.dtype == jnp.bool_:
+        return x.astype(carrier)
+    return lax.bitcast_convert_type(x, carrier)
 
 
 def add(a, b):
