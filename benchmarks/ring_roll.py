@@ -12,7 +12,8 @@ whose intra-node chains roll) this script reports
 * per form (``rolled`` / ``unrolled``, or ``packed`` / ``apart``), from a fresh process
   each (``--child``; no trace or compilation reused):
   ``trace_s``, ``lower_s``, ``compile_s`` of the jitted gradient on abstract inputs, the
-  optimised program's HLO lines and its ``while`` loops;
+  optimised program's HLO lines, its ``while`` loops and its temporaries per device
+  (``memory_analysis``, MiB);
 * a check of both forms, for each of ``kernels``, at ``check_seq`` tokens: outputs and
   gradients (a random cotangent) against the dense float32 ``reference_attention``, as
   relative errors, with the library's budgets (float32 1e-5, bfloat16 2e-2);
@@ -171,9 +172,11 @@ def child(cfg, case: str, on: bool) -> dict:
     compiled = lowered.compile()
     t3 = time.perf_counter()
     text = compiled.as_text()
+    mem = compiled.memory_analysis()
     return dict(case=case, form={v: k for k, v in _forms(cfg)}[on], trace_s=t1 - t0,
                 lower_s=t2 - t1, compile_s=t3 - t2, total_s=t3 - t0, hlo_lines=text.count("\n"),
-                while_loops=text.count(" while("))
+                while_loops=text.count(" while("),
+                temp_mib=None if mem is None else mem.temp_size_in_bytes / 2**20)
 
 
 def run_child(preset: str, cfg_json: str, case: str, on: bool) -> dict:
@@ -306,7 +309,8 @@ def main(argv=None):
             print(f"{case:20s} {name:8s} trace {row['trace_s']:.2f} "
                   f"lower {row['lower_s']:.2f} compile {row['compile_s']:.2f} total "
                   f"{row['total_s']:.2f} s, {row['hlo_lines']} HLO lines, "
-                  f"{row['while_loops']} while", flush=True)
+                  f"{row['while_loops']} while, temporaries {row['temp_mib'] or 0:.1f} MiB "
+                  f"per device", flush=True)
             save_json(result, path)
     for case in cfg["cases"] if "steps" in phases else ():
         row = steps(cfg, case)
