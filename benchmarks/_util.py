@@ -120,6 +120,21 @@ def save_json(obj, path: str) -> None:
         json.dump(obj, f, indent=1)
 
 
+def record(result: dict, key: str, row, line: str, path: str) -> None:
+    """Append ``row`` to ``result[key]``, print ``line``, and save the JSON so far (a
+    phase's row as it comes, so a run stopped part way keeps what it measured)."""
+    result[key].append(row)
+    print(line, flush=True)
+    save_json(result, path)
+
+
+def finish(path: str, ok: bool) -> int:
+    """Say where the JSON went and whether the checks passed; the exit code."""
+    print("wrote", path)
+    print("CHECKS:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def choose_preset(presets: dict, name=None):
     """``(name, config)``: the named preset, else "gpu" on GPUs and "cpu" otherwise."""
     name = name or ("gpu" if jax.default_backend() == "gpu" else "cpu")

@@ -147,7 +147,8 @@ def main(argv=None):
 
     import jax
 
-    from _util import env_info, out_dir, parse_mesh, preset_config, save_json
+    from _util import (env_info, finish, out_dir, parse_mesh, preset_config, record,
+                       save_json)
 
     preset, cfg = preset_config(PRESETS, args)
     G = jax.device_count()
@@ -184,14 +185,11 @@ def main(argv=None):
         save_json(result, path)
     for case in cfg["cases"] if "steps" in phases else ():
         row = steps(cfg, case, meshes)
-        result["steps"].append(row)
-        print(f"{case:20s} first call s {row['first_call_s']}; |loss| rel diff "
-              f"{row['loss_rel_diff']:.1e}, max |grad diff| {row['grad_max_abs_diff']:.1e}; "
-              f"wall ms {row['wall_ms']}; device ms {row['device_ms']}", flush=True)
-        save_json(result, path)
-    print("wrote", path)
-    print("CHECKS:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+        record(result, "steps", row,
+               f"{case:20s} first call s {row['first_call_s']}; |loss| rel diff "
+               f"{row['loss_rel_diff']:.1e}, max |grad diff| {row['grad_max_abs_diff']:.1e}; "
+               f"wall ms {row['wall_ms']}; device ms {row['device_ms']}", path)
+    return finish(path, ok)
 
 
 if __name__ == "__main__":

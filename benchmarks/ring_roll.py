@@ -270,7 +270,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     import jax
 
-    from _util import env_info, out_dir, parse_mesh, preset_config, save_json
+    from _util import (env_info, finish, out_dir, parse_mesh, preset_config, record,
+                       save_json)
 
     preset, cfg = preset_config(PRESETS, args)
     if args.mesh:
@@ -305,23 +306,19 @@ def main(argv=None):
     for case in cfg["cases"] if "compile" in phases else ():
         for name, on in _forms(cfg)[::-1]:
             row = run_child(preset, json.dumps(cfg), case, on)
-            result["compile"].append(row)
-            print(f"{case:20s} {name:8s} trace {row['trace_s']:.2f} "
-                  f"lower {row['lower_s']:.2f} compile {row['compile_s']:.2f} total "
-                  f"{row['total_s']:.2f} s, {row['hlo_lines']} HLO lines, "
-                  f"{row['while_loops']} while, temporaries {row['temp_mib'] or 0:.1f} MiB "
-                  f"per device", flush=True)
-            save_json(result, path)
+            record(result, "compile", row,
+                   f"{case:20s} {name:8s} trace {row['trace_s']:.2f} "
+                   f"lower {row['lower_s']:.2f} compile {row['compile_s']:.2f} total "
+                   f"{row['total_s']:.2f} s, {row['hlo_lines']} HLO lines, "
+                   f"{row['while_loops']} while, temporaries {row['temp_mib'] or 0:.1f} MiB "
+                   f"per device", path)
     for case in cfg["cases"] if "steps" in phases else ():
         row = steps(cfg, case)
-        result["steps"].append(row)
-        print(f"{case:20s} max |{' - '.join(n for n, _ in _forms(cfg))}| "
-              f"{row['max_abs_diff']:.1e}; wall ms "
-              f"{row['wall_ms']}; device ms {row['device_ms']}", flush=True)
-        save_json(result, path)
-    print("wrote", path)
-    print("CHECKS:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+        record(result, "steps", row,
+               f"{case:20s} max |{' - '.join(n for n, _ in _forms(cfg))}| "
+               f"{row['max_abs_diff']:.1e}; wall ms {row['wall_ms']}; device ms "
+               f"{row['device_ms']}", path)
+    return finish(path, ok)
 
 
 if __name__ == "__main__":
