@@ -63,10 +63,10 @@ class Parcel:
     The parts are flattened and concatenated in a *carrier* dtype: their own when they
     all share one, else the unsigned integer of the smallest item size, to which every
     part is bitcast (``lax.bitcast_convert_type``; a wider part becomes several carrier
-    items, a bool one byte), so the bytes are the parts' bytes and unpacking is exact.  ``Parcel`` is a
-    pytree whose one leaf is the buffer (the layout is static), so it can be a loop's
-    carry, ``ppermute``'s operand and ``jax.tree.map``'s argument (``add``).  With
-    ``packed=False`` (``PACK_HOPS``) its leaves are the arrays themselves.
+    items, a bool one byte), so the bytes are the parts' bytes and unpacking is exact.
+    ``Parcel`` is a pytree whose one leaf is the buffer (the layout is static), so it can
+    be a loop's carry, ``ppermute``'s operand and ``jax.tree.map``'s argument (``add``).
+    With ``packed=False`` (``PACK_HOPS``) its leaves are the arrays themselves.
     """
 
     def __init__(self, leaves, layout):
