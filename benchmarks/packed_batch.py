@@ -72,15 +72,15 @@ def _cudnn():
     return jax.jit(fb)
 
 
-def check(on_gpu, kernels) -> bool:
+def check(on_gpu, kernels, dims=(64, 128)) -> bool:
     """The one-device calls against the float32 reference; prints one line per case.
-    ``kernels``: ``{name: kernel= of jax_seqpar.attention}``."""
+    ``kernels``: ``{name: kernel= of jax_seqpar.attention}``; ``dims``: head dims."""
     from jax_seqpar.reference import reference_attention
     mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
     B, S, H = 2, (1024 if on_gpu else 128), 4
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     ok = True
-    for D in (64, 128):
+    for D in dims:
         q, k, v, do = _inputs(D, B, S, S, H, H, D, dtype)
         lens = [S // 8, S // 2, S - S // 8 - S // 2]
         for with_seg in (False, True):
@@ -122,7 +122,14 @@ def main(argv=None):
     p.add_argument("--mgpu-variant", action="append", default=[],
                    help="NAME:field=value,...: also time pallas_mgpu with these MgpuConfig "
                         "fields replaced (Hopper only)")
+    p.add_argument("--check-dims", default="64,128",
+                   help="head dims of the check, comma-separated (a variant such as "
+                        "split_dq serves only D >= 128)")
     a = p.parse_args(argv)
+    try:
+        check_dims = tuple(int(x) for x in a.check_dims.split(","))
+    except ValueError:
+        p.error(f"--check-dims: expected comma-separated ints, got {a.check_dims!r}")
     on_gpu = jax.default_backend() == "gpu"
     checked = True
     from jax_seqpar.kernels.pallas_mgpu import is_hopper
@@ -137,7 +144,7 @@ def main(argv=None):
     if a.check:
         kernels = {"auto": "auto", **({"pallas_mgpu": "pallas_mgpu"} if hopper else {}),
                    **variants}
-        checked = check(on_gpu, kernels)
+        checked = check(on_gpu, kernels, check_dims)
     if a.dry_run:
         a.seq, a.doc_lens, a.rounds, a.device_rounds = 512, "128,64", 2, 0
     S, (H, D) = a.seq, ((2, 32) if a.dry_run else (16, 128))
