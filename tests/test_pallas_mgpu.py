@@ -52,8 +52,6 @@ def _request(**kw):
     (dict(named_sched=None), "must be a bool"),
     (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
-    (dict(atomic_dq=True, lag_dq=True), "lag_dq=True needs split_dq=True"),
-    (dict(lag_dq=1), "must be a bool"),
     (dict(dv_with_dp=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
@@ -201,8 +199,7 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=True),
                 dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
                 dict(atomic_dq=True, warp_producer_bwd=True)] + (
-        [dict(atomic_dq=True, split_dq=True),
-         dict(atomic_dq=True, split_dq=True, lag_dq=True)] if D >= 128 else [])
+        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)

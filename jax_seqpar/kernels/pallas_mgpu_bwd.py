@@ -73,7 +73,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     has_seg = q_seg is not None
     with_dq = dq_acc is not None
     split_dq = with_dq and config.split_dq
-    lag_dq = split_dq and config.lag_dq
     if split_dq and D < 128:
         raise ValueError(f"MgpuConfig.split_dq needs a head dim of 128 or more (half of "
                          f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
@@ -86,8 +85,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem), \
-            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), \
-            (q_free, do_free, ds_ready, ds_free) = scoped
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
+            = scoped
         b = lax.axis_index("batch")
         kvh = lax.axis_index("heads")
         blk = order_ref[b, lax.axis_index("kv_seq")]
@@ -187,70 +186,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
-            cols = pl.ds(pl.multiple_of(wg * half, half), half) if split_dq else None
-
-            def dq_product(i):
-                """``lag_dq``: add ``dS K`` of step ``i`` (both consumers' dS^T, this
-                consumer's half of dQ's columns) into dQ, then free the dS^T buffer."""
-                par = lax.rem(i, jnp.int32(2))
-                plgpu.barrier_wait(ds_ready.at[par])
-
-                def prod(acc_ref):
-                    for w in range(2):
-                        plgpu.wgmma(acc_ref, ds_smem.at[par, w].transpose((1, 0)),
-                                    k_smem.at[w, :, cols])
-                    return acc_ref[...]
-                dq = pl.run_scoped(prod, plgpu.ACC((bq, half), F32))
-                plgpu.barrier_arrive(ds_free.at[par])
-                hi = lax.div(i, count)
-                start = tbl_ref[b, blk, i - hi * count + 2] * bq
-                dst = dq_ref.at[b, pl.ds(start, bq), kvh * g + hi]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block is read
-                dqw = dq_smem.at[wg]
-                dqw[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
-
-            def step_lag(t, carry, hh, masked_tile):
-                # dv_with_dp's order; this step's dS^T published for both consumers'
-                # dQ products, which run one step later (``dq_product``)
-                dk, dv = carry
-                j = hh * count + t
-                slot = lax.rem(j, jnp.int32(stages))
-                par = lax.rem(j, jnp.int32(2))
-
-                @pl.when(j >= 2)
-                def _():  # both consumers' products of step j - 2 have read the buffer
-                    plgpu.barrier_wait(ds_free.at[par])
-                p = probs_t(t, slot, masked_tile)
-                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
-
-                def body(refs):
-                    dv_ref, dk_ref, dp_ref = refs
-                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.barrier_wait(dl_ready.at[slot])
-                    dl = _load(dl_smem.at[slot], COL, gmem=False)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
-                    ds_smem.at[par, wg][...] = ds
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_ready.at[par])
-                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
-                    plgpu.wgmma_wait(1)                                  # dV done
-                    plgpu.barrier_arrive(do_free.at[slot])
-                dv, dk, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                                plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(q_free.at[slot])
-
-                @pl.when(j >= 1)
-                def _():
-                    dq_product(j - 1)
-                return dk, dv
-
             def step(t, carry, hh, masked_tile):
-                if lag_dq:
-                    return step_lag(t, carry, hh, masked_tile)
                 if config.dv_with_dp and not with_dq:
                     return step_dv_with_dp(t, carry, hh, masked_tile)
                 if overlap:
@@ -284,6 +220,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(ds_ready.at[par])
                     plgpu.barrier_wait(ds_ready.at[par])
+                    cols = pl.ds(pl.multiple_of(wg * half, half), half)
                     width = half
                 else:
                     ds_smem.at[wg][...] = ds
@@ -327,13 +264,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 last = g * count - 1
 
                 @pl.when(count > 0)
-                def _():
-                    if lag_dq:
-                        dq_product(last)  # the last step's; it arrives on ds_free
-                        plgpu.barrier_wait(ds_free.at[lax.rem(last, jnp.int32(2))])
-                    else:  # one more round of ds_ready, which nobody else waits for
-                        plgpu.barrier_arrive(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
-                        plgpu.barrier_wait(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
+                def _():  # one more round of ds_ready, which nobody else waits for
+                    plgpu.barrier_arrive(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
+                    plgpu.barrier_wait(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
             kw[...] = (dk * scale).astype(dtype)
             vw[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -392,11 +325,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                      plgpu.SMEM((2, bq, D), F32, transforms=swz32))
         pad = () if with_dq else (None, None)
         frees = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-        if split_dq:  # dS^T ready (and, lagged, its buffer free again)
-            frees += (plgpu.Barrier(num_arrivals=2, num_barriers=2),) * (1 + lag_dq)
+        if split_dq:  # dS^T ready
+            frees += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
         pl.run_scoped(
             lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (
-                (*sm, *pad), ready, (*fr, None, None)[:4])),
+                (*sm, *pad), ready, fr if split_dq else (*fr, None))),
             smem,
             (plgpu.Barrier(num_arrivals=2, num_barriers=2),
              plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),

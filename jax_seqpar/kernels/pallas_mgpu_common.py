@@ -24,9 +24,8 @@ DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT = 227 * 1024 - 2048
 
 
-BOOL_FIELDS = ("atomic_dq", "split_dq", "lag_dq", "segment_skip", "overlap_bwd",
-               "index_tiles", "named_sched", "named_free", "dv_with_dp", "warp_producer",
-               "warp_producer_bwd")
+BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
+               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +41,7 @@ class MgpuConfig:
     does: each consumer adds its ``dS K`` block into a float32 dQ in global memory with a TMA
     reduce-add) instead of a second kernel that recomputes ``P`` and ``dP``; ``split_dq``
     (with ``atomic_dq``, head dims of 128 and more): the two consumers share dS and each
-    computes half of dQ's columns.  ``lag_dq`` (with ``split_dq``): a consumer runs the
-    shared dQ product of step ``j`` during step ``j + 1``, after its own ``dK`` product,
-    so the two consumers need not meet at every step: each waits only for the other's
-    dS^T of the step before (and, before it overwrites a dS^T buffer, for the other's
-    product that read it), which lets them drift apart by up to one step, as the
-    two-kernel backward's consumers do freely; its steps order their products as
-    ``dv_with_dp`` does (``S^T`` alone, then ``dP^T`` with ``dV``, ``dS`` formed while
-    ``dV`` runs, then ``dK``).  ``segment_skip``: with segment ids, the tile lists
+    computes half of dQ's columns.  ``segment_skip``: with segment ids, the tile lists
     drop the tiles whose blocks share no document and list the tiles inside one document
     as fully visible (mask-free loop): ``pallas_common.tile_lists``; the kernels are the
     same either way.  False restores the lists of before (every position-visible tile,
@@ -103,7 +95,6 @@ class MgpuConfig:
     block_kv_dq: int = 64
     atomic_dq: bool = False
     split_dq: bool = False
-    lag_dq: bool = False
     segment_skip: bool = True
     overlap_bwd: bool = False
     index_tiles: bool = True
@@ -120,9 +111,6 @@ class MgpuConfig:
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
-        if self.lag_dq and not self.split_dq:
-            raise ValueError("MgpuConfig.lag_dq=True needs split_dq=True (it delays the "
-                             "dQ product that the consumers share)")
         for f in dataclasses.fields(self):
             if f.name in BOOL_FIELDS:
                 continue
