@@ -53,7 +53,6 @@ def _request(**kw):
     (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
     (dict(dv_with_dp=1), "must be a bool"),
-    (dict(p_low=0), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -199,12 +198,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
                 dict(atomic_dq=True),
                 dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
-                dict(atomic_dq=True, warp_producer_bwd=True),
-                dict(atomic_dq=False, dv_with_dp=True, p_low=True),
-                dict(atomic_dq=False, overlap_bwd=True, p_low=True),
-                dict(atomic_dq=True, p_low=True)] + (
-        [dict(atomic_dq=True, split_dq=True),
-         dict(atomic_dq=True, split_dq=True, p_low=True)] if D >= 128 else [])
+                dict(atomic_dq=True, warp_producer_bwd=True)] + (
+        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)

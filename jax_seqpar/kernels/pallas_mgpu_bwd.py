@@ -59,26 +59,6 @@ from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
 
-
-def _p_forms(config: MgpuConfig, dtype):
-    """``(kept, operand, d_scores)``: how a backward step keeps ``P`` (float32, or in the
-    input dtype with ``MgpuConfig.p_low``: 16 registers a consumer instead of 32), hands
-    it to the dV product (in the input dtype), and forms ``dS = P (dP - delta)`` from it
-    in float32, ``delta`` broadcast along ``axis``."""
-    low = config.p_low
-
-    def kept(p):
-        return p.astype(dtype) if low else p
-
-    def operand(p):
-        return p if low else p.astype(dtype)
-
-    def d_scores(p, dp, dl, axis):
-        pf = p.astype(F32) if low else p
-        return pf * (dp - lax.broadcast_in_dim(dl, dp.shape, [axis]))
-    return kept, operand, d_scores
-
-
 # --------------------------------------------------------------------------- dK, dV
 def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
                mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
@@ -101,8 +81,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     overlap = config.overlap_bwd and not with_dq
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
-
-    kept, operand, d_scores = _p_forms(config, dtype)
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
@@ -153,12 +131,12 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
                     if masked_tile:
                         s = mask_scores(s, t)
-                    p = kept(jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1])))
-                    plgpu.wgmma(dv_ref, operand(p), do_smem.at[slot])
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], COL, gmem=False)
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = d_scores(p, dp, dl, 1).astype(dtype)
+                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
                     plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
                 dv, dk, _, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
                                                    plgpu.ACC.init(zeros),
@@ -180,7 +158,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
                 if masked_tile:
                     s = mask_scores(s, t)
-                p = kept(jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1])))
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
                 return p
 
@@ -195,11 +173,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 def body(refs):
                     dv_ref, dk_ref, dp_ref = refs
                     plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dv_ref, operand(p), do_smem.at[slot])
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], COL, gmem=False)
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = d_scores(p, dp, dl, 1).astype(dtype)
+                    ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
                     plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
                     plgpu.wgmma_wait(1)                                  # dV done
                     plgpu.barrier_arrive(do_free.at[slot])
@@ -219,14 +197,14 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, operand(p), do_smem.at[slot])
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
                 dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(do_free.at[slot])
                 plgpu.barrier_wait(dl_ready.at[slot])
                 dl = _load(dl_smem.at[slot], COL, gmem=False)
-                ds = d_scores(p, dp, dl, 1).astype(dtype)
+                ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
                 if not with_dq:
                     def dk_fn(acc_ref):
                         plgpu.wgmma(acc_ref, ds, q_smem.at[slot])
@@ -390,8 +368,6 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
-    kept, operand, d_scores = _p_forms(config, dtype)
-
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
                kvpos_ref, qseg_ref, kvseg_ref, dq_ref, scoped):
         (q_smem, do_smem, k_smem, v_smem), (q_ready, k_ready, v_ready), \
@@ -432,10 +408,10 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     ok = visible(t) if masked_tile else None
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
-                    p = kept(jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0])))
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)  # dP done
                     plgpu.barrier_arrive(v_free.at[slot])
-                    ds = d_scores(p, dp, dl, 0)
+                    ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
                     plgpu.wgmma(dq_ref_, ds.astype(dtype), k_smem.at[slot])
                 dq, _, _ = pl.run_state(body)((plgpu.ACC.init(dq), plgpu.ACC.init(zeros),
                                                plgpu.ACC.init(zeros)))
@@ -467,7 +443,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 ok = visible(t) if masked_tile else None
                 if ok is not None:
                     s = jnp.where(ok, s, -jnp.inf)
-                p = kept(jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0])))
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_fn(acc_ref):
@@ -475,7 +451,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     return acc_ref[...]
                 dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(v_free.at[slot])
-                ds = d_scores(p, dp, dl, 0)
+                ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
 
                 def dq_fn(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])

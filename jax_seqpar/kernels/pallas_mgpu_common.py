@@ -25,8 +25,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
-               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "p_low")
+               "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +83,7 @@ class MgpuConfig:
     producers wait on shared-memory barriers, whose counts do not change); checked on
     the GPU and timed in three runs on one H100, where it moved forward + backward by
     -0.6 to +2.3 points of cuDNN's rate on the device clock and -3.0 to +2.1 on the wall
-    clock, inside the runs' noise (RESULTS.md), so off by default.  ``p_low`` (the
-    backward's kernels): a step keeps ``P`` in the input dtype, the form the dV product
-    takes anyway, and forms ``dS = P (dP - delta)`` from it, instead of keeping ``P`` in
-    float32 beside its rounded copy: 16 registers a consumer fewer while dP and dV are in
-    flight (the split atomic dQ spills; RESULTS.md), at the price of ``dS`` formed from
-    a rounded ``P`` (one more rounding of the input dtype before ``dS``'s own).
+    clock, inside the runs' noise (RESULTS.md), so off by default.
     """
 
     block_q: int = 64
@@ -109,7 +103,6 @@ class MgpuConfig:
     dv_with_dp: bool = False
     warp_producer: bool = False
     warp_producer_bwd: bool = False
-    p_low: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
