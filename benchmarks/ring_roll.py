@@ -27,6 +27,8 @@ The exit code is 1 when a check is over its budget.
     python benchmarks/ring_roll.py --preset gpu         # all GPUs, 128k tokens
     python benchmarks/ring_roll.py --phases check       # only the check
     python benchmarks/ring_roll.py --preset gpu --switch pack --backward q
+    python benchmarks/ring_roll.py --switch pack --backward q --phases compile \
+      --cases zigzag:causal:docs --seq 8192 --dtype bfloat16 --head-dim 64  # CPU, memory
     XLA_FLAGS=--xla_force_host_platform_device_count=32 \
       python benchmarks/ring_roll.py --mesh 4x8         # the double ring, 32 CPU devices
 
@@ -264,6 +266,12 @@ def main(argv=None):
                         "arrays as one buffer against apart")
     p.add_argument("--phases", default="check,compile,steps",
                    help="which of check, compile, steps to run (comma-separated)")
+    p.add_argument("--seq", type=int, default=None, help="tokens (default: the preset's)")
+    p.add_argument("--heads", type=int, default=None, help="heads (default: the preset's)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="head dim (default: the preset's)")
+    p.add_argument("--dtype", default=None, choices=sorted(BUDGET),
+                   help="dtype (default: the preset's)")
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--on", type=int, default=1, help=argparse.SUPPRESS)
@@ -274,6 +282,14 @@ def main(argv=None):
                        save_json)
 
     preset, cfg = preset_config(PRESETS, args)
+    for key in ("seq", "heads", "head_dim"):
+        val = getattr(args, key)
+        if val is not None and val < 1:
+            p.error(f"--{key.replace('_', '-')}: expected a positive int, got {val}")
+        if val is not None:
+            cfg[key] = val
+    if args.dtype:
+        cfg["dtype"] = args.dtype
     if args.mesh:
         mesh = parse_mesh(args.mesh)
         if mesh is None:

@@ -36,14 +36,18 @@ def test_cpu_check_of_packed_and_apart_hops(tmp_path, monkeypatch):
     hops carry five arrays apart and one buffer packed."""
     monkeypatch.setenv("OUT", str(tmp_path))
     case = "zigzag:causal:docs"
-    cfg = dict(ring_roll.PRESETS["cpu"], seq=256, heads=2, head_dim=16, rounds=1,
-               check_seq=256, cases=[case])
+    cfg = dict(ring_roll.PRESETS["cpu"], rounds=1, check_seq=256, cases=[case])
     assert ring_roll.main(["--preset", "cpu", "--config", json.dumps(cfg), "--phases", "check",
-                           "--switch", "pack", "--backward", "q"]) == 0
+                           "--switch", "pack", "--backward", "q", "--seq", "256",
+                           "--heads", "2", "--head-dim", "16"]) == 0
     assert ring_common.PACK_HOPS  # put back
     result = json.loads((tmp_path / "ring_roll_cpu_q_pack.json").read_text())
+    assert (result["config"]["seq"], result["config"]["heads"],
+            result["config"]["head_dim"]) == (256, 2, 16)  # the overrides
     errs = result["check"][case]
     assert set(errs) == {"auto/packed", "auto/apart"}
     assert all(0 < e <= 1e-5 for e in errs.values()), errs
+    with pytest.raises(SystemExit):  # --seq must be positive
+        ring_roll.main(["--preset", "cpu", "--phases", "check", "--seq", "0"])
     with pytest.raises(SystemExit, match="layout:mask"):
         ring_roll.main(["--preset", "cpu", "--phases", "check", "--cases", "zigzag:causal:x"])
