@@ -54,6 +54,10 @@ CASES = {
     # causal striped, natural-order arrays (the api permutes), "auto" (-> "q")
     "striped_natural_auto_2x4": Case((2, 4), 2, 2, "auto", layout="striped",
                                      permuted=False),
+    # 8 nodes of one device: the inter-node chains' middle rounds as one loop (5 and 6
+    # iterations), both backwards
+    "zigzag_q_8x1": Case((8, 1), 2, 2, "q"),
+    "contiguous_kv_8x1": Case((8, 1), 2, 1, "kv", layout="contiguous"),
 }
 
 
@@ -141,6 +145,22 @@ def test_bytes_per_axis(name):
     assert want["forward"] == {"node": (No - 1) * t, "local": No * (Ni - 1) * t}
 
 
+def test_rounds_roll_when_they_make_the_same_tiles():
+    """``_uniform_round``: the rounds a rolled inter-node chain loops over must make the
+    same tiles; a causal zigzag's all do, a window's (which reaches the rounds next to a
+    node and not the others) do not. The 8 x 1 programs hold one round loop each way."""
+    from jax_seqpar.parallel.double_ring import _uniform_round
+    causal = double_ring_schedule("zigzag", MaskSpec(causal=True), 8, 8, 1)
+    assert _uniform_round(causal, [1, 2, 3, 4, 5, 6]) == 1
+    window = double_ring_schedule("contiguous", MaskSpec(window=(20, 0)), 8, 8, 1)
+    assert window.needs(1, 0) and window.needs(2, 0) and not window.needs(4, 0)
+    assert _uniform_round(window, [1, 2, 3, 4]) is None
+    assert _uniform_round(window, []) is None
+    for name in ("zigzag_q_8x1", "contiguous_kv_8x1"):
+        _, _, _, fwd_text, bwd_text = _run(name)
+        assert fwd_text.count(" while(") >= 1 and bwd_text.count(" while(") >= 1, name
+
+
 def test_window_skips_steps():
     """Window (11, 3) on 4 x 2 devices of 8 tokens: the keys of a query lie at most 2
     shards to the left and 1 to the right (shard distances 1, 2 and -1), which on the
@@ -177,23 +197,28 @@ def test_overlap_forward(name):
     arrays = 1  # K, V and the ids in one buffer (ring_common.Parcel)
     assert all(w.kind == "collective-permute" and not w.is_async for w in fwd)  # CPU
     by_axis = {a: [w for w in fwd if w.axes(mesh) == a] for a in AXES}
-    assert len(by_axis["node"]) == arrays * (No - 1)
+    # The inter-node chain's No - 1 hops, rolled when there are two or more (every round
+    # of a causal zigzag makes the same tiles): the first from this device's block, one in
+    # the loop's body (run No - 2 times); the last round forwards nothing. So the text
+    # holds min(No, 3) rounds: round 0, the loop's body, the last.
+    assert len(by_axis["node"]) == arrays * min(No - 1, 2)
+    rounds = min(No, 3)
     # A round's Ni - 1 intra-node hops, rolled (ring_common.ROLL_HOPS) when there are two
     # or more: the first from the round's block, then one loop whose body forwards the
     # block it received (run Ni - 2 times); the last hop forwards nothing.
     hops = min(Ni - 1, 2)  # intra-node transfers per round in the program's text
-    assert len(by_axis["local"]) == arrays * No * hops
+    assert len(by_axis["local"]) == arrays * rounds * hops
     assert not any(w.gradient for w in fwd)
     for w in by_axis["node"]:
         assert w.compute_until_needed and w.independent, (w.collective, w.until_needed)
     # K and V that arrived: all but round 0's first hop, which sends this device's own
-    # (packed)
-    forwarded = [w for w in by_axis["local"]
-                 if w.operand_ops in (("collective-permute",), ("copy",))]
-    assert len(forwarded) == No * hops - 1
-    if Ni > 2:  # each round's loop body forwards K and V once: No bodies beside the entry
-        entry = {w.computation for w in by_axis["node"]}  # inter-node hops: never in a loop
-        assert len({w.computation for w in forwarded} - entry) == No
+    # (packed); a block carried out of the rounds' loop is read from its result
+    forwarded = [w for w in by_axis["local"] if w.operand_ops in (
+        ("collective-permute",), ("copy",), ("get-tuple-element",))]
+    assert len(forwarded) == rounds * hops - 1
+    if Ni > 2:  # each round's loop body forwards K and V once: a body per round in the text
+        entry = {w.computation for w in by_axis["node"]}
+        assert len({w.computation for w in forwarded} - entry) == rounds
     # a tile in the window, or (when the block's first user is the inter-node hop that
     # carries it on, as for the inter-node hops above) tiles scheduled before any kernel
     # reads it and tiles independent of it

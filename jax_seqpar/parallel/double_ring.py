@@ -17,7 +17,9 @@ block once.  Per device ``G - No`` intra-node and ``No - 1`` inter-node hops: th
 of the 1-D ring (``G - 1`` hops), of which only ``No - 1`` cross nodes.  An intra-node
 chain whose every hop computes a tile runs its middle hops as one loop, as the 1-D ring
 does (``ring_common.ROLL_HOPS``), so a round holds at most three copies of a tile; the
-rounds themselves stay unrolled, since which hops a round makes depends on its offset.
+inter-node chain's middle rounds run as one loop too when they all make the same tiles
+(dense and causal masks; a window that reaches some rounds' blocks and not others'
+keeps them unrolled), so the program no longer grows with the number of nodes.
 
 Overlap (Fig. 5), with three buffers as values: the round's block, on which the device
 computes (the *compute* buffer); its copy travelling the intra-node ring (the *intra*
@@ -173,9 +175,18 @@ class _Where:
 
 
 def _own(a, b) -> bool:
-    """Whether offset ``(a, b)`` is this device's own block (a traced ``b``, from a rolled
-    intra-node chain, is a hop of at least one, so never)."""
-    return isinstance(b, int) and (a, b) == (0, 0)
+    """Whether offset ``(a, b)`` is this device's own block (a traced ``a`` or ``b``, from
+    a rolled chain, is a hop of at least one, so never)."""
+    return isinstance(a, int) and isinstance(b, int) and (a, b) == (0, 0)
+
+
+def _uniform_round(sched: DoubleRingSchedule, offsets) -> Optional[int]:
+    """The first of ``offsets`` if every round there makes the same tiles (the same
+    intra-node offsets needed), so that one traced round can stand for them all in a
+    rolled inter-node chain; else ``None`` (a window that reaches some rounds' blocks
+    but not others')."""
+    rows = [frozenset(b for r, b in sched.need if r == a % sched.nodes) for a in offsets]
+    return offsets[0] if rows and all(r == rows[0] for r in rows) else None
 
 
 def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *,
@@ -201,33 +212,37 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
     travel = Parcel.of(travel)  # one buffer through both rings: ``visit`` unpacks it
     f32 = None if not grads else jax.tree.map(lambda _: F32, home_dtypes)
 
-    def tile(block, a, b, home):
-        # b is traced only in a rolled chain, whose every hop is needed
-        if isinstance(b, int) and not sched.needs(a, b):
+    def tile(block, a, b, home, s):
+        # ``s``: the static offset of round ``a`` (``a`` itself, or the round standing
+        # for a traced one); b is traced only in a rolled chain, whose every hop is needed
+        if isinstance(b, int) and not sched.needs(s, b):
             return (zeros() if grads else None), home
         return visit(block, a, b, home)
 
-    def round_(block, a, home, dtypes):
+    def round_(block, a, home, dtypes, s=None):
         """Round ``a``: the tile ``(a, 0)`` and the intra-node chains of the round.
         Returns the round's contribution to ``block``'s accumulator (gathered home).
+        ``s``: for a traced ``a`` (a rolled inter-node chain), the round that makes the
+        same tiles (``_uniform_round``).
 
         A chain whose every hop computes a tile runs its middle hops as one loop (``chain``
         rolled, ``ring_common.ROLL_HOPS``; ``visit`` then gets a traced ``b``); a chain
         that passes a block through a device that does not need it (a window) unrolls, so
         that the skipped hop holds no tile."""
-        chains = sched.intra(a).chains()
-        center = a == 0 or sched.needs(a, 0)
+        s = a if s is None else s
+        chains = sched.intra(s).chains()
+        center = s == 0 or sched.needs(s, 0)
         if not chains:
-            return tile(block, a, 0, home) if center else (None, home)
+            return tile(block, a, 0, home, s) if center else (None, home)
         state, contrib = (home, None), None
         for i, (d, m) in enumerate(chains):
             def hop(blk, h, state, d=d):
                 home, c0 = state
-                c, home = tile(blk, a, d * h, home)
+                c, home = tile(blk, a, d * h, home, s)
                 start = isinstance(h, int) and h == 0  # visit_start's own block
                 return (None, (home, c)) if start else (c, (home, c0))
 
-            every = all(sched.needs(a, d * h) for h in range(1, m + 1))
+            every = all(sched.needs(s, d * h) for h in range(1, m + 1))
             acc, state = chain(inner, Ni, sign * d, m, block, hop, state, dtypes,
                                visit_start=center and i == 0, rolled=None if every else False)
             contrib = add(contrib, acc)
@@ -240,17 +255,24 @@ def _traverse(cfg: AttnConfig, sched: DoubleRingSchedule, travel, visit, home, *
         return c, home
     state, total = (home, None), None
     for i, (d, n) in enumerate(ochains):
-        def rnd(blk, h, state, d=d):
+        # the rounds a rolled chain would loop over (``chain``: all but the last, and
+        # with accumulators the first too); they roll when they all make the same tiles
+        looped = [d * h for h in range(2 if grads else 1, n)]
+        rep = _uniform_round(sched, looped)
+
+        def rnd(blk, h, state, d=d, rep=rep):
             home, c0 = state
-            c, home = round_(blk, d * h, home, home_dtypes if h == 0 else f32)
-            if h == 0:
+            if not isinstance(h, int):  # a rolled round, standing for those of ``looped``
+                c, home = round_(blk, d * h, home, f32, s=rep)
+            else:
+                c, home = round_(blk, d * h, home, home_dtypes if h == 0 else f32)
+            if isinstance(h, int) and h == 0:
                 return None, (home, c)
             return (zeros() if grads and c is None else c), (home, c0)
 
-        # the first inter-node hop is issued before round 0 computes (visit_start); the
-        # rounds stay unrolled: which intra-node hops a round makes depends on its offset
+        # the first inter-node hop is issued before round 0 computes (visit_start)
         acc, state = chain(outer, No, sign * d, n, travel, rnd, state, home_dtypes,
-                           visit_start=i == 0, rolled=False)
+                           visit_start=i == 0, rolled=None if rep is not None else False)
         total = add(total, acc)
     home, c0 = state
     return add(c0, total), home

@@ -169,10 +169,51 @@ def _operand_text(rest: str) -> str:
     return rest
 
 
+def _operands(rest: str, names) -> List[str]:
+    return [o for o in re.findall(r"%([\w.\-]+)", _operand_text(rest)) if o in names]
+
+
+def _loop_carry_depends(comps, computes, body: str, memo) -> Tuple[bool, ...]:
+    """Which elements of a ``while`` body's result depend on kernel compute in some
+    iteration: a fixpoint over the carried tuple, where an element read from the body's
+    parameter depends when that element does.  A block that a loop only forwards (a
+    rolled ring's activation) does not; an accumulator that a tile adds to does."""
+    if body in memo:
+        return memo[body]
+    instrs = comps.get(body, (False, []))[1]
+    names = {n for n, *_ in instrs}
+    root = next((i for i in instrs if i[4].lstrip().startswith("ROOT")), None)
+    params = {n for n, _, op, _, _ in instrs if op == "parameter"}
+    carried: Set[int] = set()
+    elems: Tuple[bool, ...] = ()
+    for _ in range(len(instrs) + 1):  # each pass adds an element or stops
+        dep: Dict[str, bool] = {}
+        for name, _, op, rest, _ in instrs:
+            ops = _operands(rest, names)
+            if op == "get-tuple-element" and ops and ops[0] in params:
+                m = re.search(r"index=(\d+)", rest)
+                dep[name] = m is not None and int(m.group(1)) in carried
+            else:
+                dep[name] = (op in KERNEL_OPS or (op in _CALLING_OPS and any(
+                    computes.get(x, False) for x in _callees(rest)))
+                    or any(dep.get(o, False) for o in ops))
+        if root is None:
+            break
+        outs = _operands(root[3], names) if root[2] == "tuple" else [root[0]]
+        elems = tuple(dep.get(o, False) for o in outs)
+        new = {i for i, d in enumerate(elems) if d}
+        if new <= carried:
+            break
+        carried |= new
+    memo[body] = elems
+    return elems
+
+
 def overlap_windows(hlo: str) -> List[OverlapWindow]:
     """Every collective's window of scheduled instructions (see the module doc)."""
     comps = _parse(hlo)
     computes = _compute_computations(comps)
+    loops: Dict[str, Tuple[bool, ...]] = {}
     out: List[OverlapWindow] = []
     wrapped = {c for _, (_, ins) in comps.items() for _, _, op, rest, _ in ins
                if op == "async-start" for c in _callees(rest)}  # counted at their start
@@ -189,11 +230,27 @@ def overlap_windows(hlo: str) -> List[OverlapWindow]:
         depends: Dict[str, bool] = {}  # instruction -> depends on kernel compute
         ancestors: Dict[str, Set[str]] = {}  # instruction -> what it depends on
         compute_at = [is_compute(op, rest) for _, _, op, rest, _ in instrs]
+        rest_of = {n: r for n, _, _, r, _ in instrs}
         for name, _, op, rest, _ in instrs:  # scheduled order: operands come first
-            operands = [o for o in re.findall(r"%([\w.\-]+)", _operand_text(rest))
-                        if o in names]
-            depends[name] = is_compute(op, rest) or any(depends.get(o, False)
-                                                       for o in operands)
+            operands = _operands(rest, names)
+            src = operands[0] if operands else None
+            if op == "get-tuple-element" and src is not None and opcode[src] == "while":
+                # an element of a loop's result: the loop's own compute counts only if
+                # that element carries it (a forwarded block does not)
+                m = re.search(r"index=(\d+)", rest)
+                i = int(m.group(1)) if m else -1
+                body = re.search(r"\bbody=%?([\w.\-]+)", rest_of[src])
+                elems = _loop_carry_depends(comps, computes, body.group(1), loops) \
+                    if body else ()
+                init = _operands(rest_of[src], names)
+                init_elems = (_operands(rest_of[init[0]], names)
+                              if init and opcode[init[0]] == "tuple" else [])
+                from_init = (depends.get(init_elems[i], False) if 0 <= i < len(init_elems)
+                             else any(depends.get(o, False) for o in init))
+                depends[name] = (elems[i] if 0 <= i < len(elems) else True) or from_init
+            else:
+                depends[name] = is_compute(op, rest) or any(depends.get(o, False)
+                                                           for o in operands)
             ancestors[name] = set(operands).union(*(ancestors.get(o, ()) for o in operands))
         for i, (name, _, op, rest, line) in enumerate(instrs):
             if op.endswith("-done") or op == "async-done":
