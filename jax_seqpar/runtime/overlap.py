@@ -25,7 +25,10 @@ slices and additions around them.
 
 Each window also says whether the collective sends a *gradient*: data that depends,
 inside its computation, on kernel compute (an accumulator of dK, dV or dQ), as opposed
-to an *activation* (K, V, or Q, dO and the row statistics) that only travels.
+to an *activation* (K, V, or Q, dO and the row statistics) that only travels.  An
+element of a ``while`` loop's result counts as depending on compute only when the loop
+carries compute into that element (``_loop_carry_depends``): the block that a rolled
+chain forwards comes out of its loop an activation.
 BurstEngine §3.1 (Fig. 5) tells the two apart: an activation hop can overlap with the
 computation of the block in hand, while a gradient hop must wait for its own tile.
 
