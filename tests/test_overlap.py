@@ -49,6 +49,47 @@ ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
 """
 
 
+LOOP_HLO = """HloModule m, is_scheduled=true
+
+%body (p: (f32[4,4], f32[4,4])) -> (f32[4,4], f32[4,4]) {
+  %p = (f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %blk = f32[4,4]{1,0} get-tuple-element(%p), index=0
+  %acc = f32[4,4]{1,0} get-tuple-element(%p), index=1
+  %fwd = f32[4,4]{1,0} collective-permute(%blk), source_target_pairs={{0,1},{1,0}}
+  %tile = f32[4,4]{1,0} dot(%blk, %blk), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %sum = f32[4,4]{1,0} add(%acc, %tile)
+  ROOT %out = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%fwd, %sum)
+}
+
+%cond (c: (f32[4,4], f32[4,4])) -> pred[] {
+  %c = (f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[4,4], z: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %z = f32[4,4]{1,0} parameter(1)
+  %init = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%a, %z)
+  %loop = (f32[4,4]{1,0}, f32[4,4]{1,0}) while(%init), condition=%cond, body=%body
+  %blk.out = f32[4,4]{1,0} get-tuple-element(%loop), index=0
+  %acc.out = f32[4,4]{1,0} get-tuple-element(%loop), index=1
+  %send.blk = f32[4,4]{1,0} collective-permute(%blk.out), source_target_pairs={{0,1},{1,0}}
+  %send.acc = f32[4,4]{1,0} collective-permute(%acc.out), source_target_pairs={{0,1},{1,0}}
+  ROOT %r = f32[4,4]{1,0} add(%send.blk, %send.acc)
+}
+"""
+
+
+def test_a_loops_forwarded_block_is_an_activation():
+    """After a rolled chain's loop, the block it only forwarded is an activation and the
+    accumulator a tile added to is a gradient, though both come out of a loop that
+    holds a tile (``overlap._loop_carry_depends``)."""
+    w = {x.collective: x for x in overlap_windows(LOOP_HLO)}
+    assert not w["send.blk"].gradient
+    assert w["send.acc"].gradient
+    assert not w["fwd"].gradient  # inside the body: the carried block, read before the tile
+
+
 def test_async_pairs_on_handwritten_hlo():
     w = {x.collective: x for x in overlap_windows(ASYNC_HLO)}
     assert set(w) == {"cp-start", "grad-start", "a2a-start"}
