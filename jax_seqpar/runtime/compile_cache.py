@@ -51,8 +51,8 @@ What JAX does here (read from ``jax/_src/compilation_cache.py``, ``compiler.py``
   generation's decode loop (``benchmarks/generate.py --dry-run``, 3 reruns); the hazard
   is in how XLA restores the program, so any program of that shape may meet it -- since
   2026-11-27 that includes every ring of three or more hops, and every double ring
-  with intra-node chains that long, whose middle hops are a loop
-  (``parallel.ring_common.ROLL_HOPS``).
+  with intra-node chains that long or of three or more nodes (dense and causal masks),
+  whose middle hops or rounds are a loop (``parallel.ring_common.ROLL_HOPS``).
 
 ``--compile-cache DIR`` / ``--no-compile-cache`` (``add_compile_cache_args``,
 ``compile_cache_from_args``) give every script the same switch: on by default, in
