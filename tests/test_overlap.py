@@ -88,6 +88,14 @@ def test_a_loops_forwarded_block_is_an_activation():
     assert not w["send.blk"].gradient
     assert w["send.acc"].gradient
     assert not w["fwd"].gradient  # inside the body: the carried block, read before the tile
+    # a block that enters the loop already computed on carries that compute out
+    computed = LOOP_HLO.replace(
+        "  %init = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%a, %z)",
+        "  %pre = f32[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+        "  %init = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%pre, %z)")
+    assert computed != LOOP_HLO
+    w = {x.collective: x for x in overlap_windows(computed)}
+    assert w["send.blk"].gradient and w["send.acc"].gradient
 
 
 def test_async_pairs_on_handwritten_hlo():

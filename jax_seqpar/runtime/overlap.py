@@ -176,18 +176,21 @@ def _operands(rest: str, names) -> List[str]:
     return [o for o in re.findall(r"%([\w.\-]+)", _operand_text(rest)) if o in names]
 
 
-def _loop_carry_depends(comps, computes, body: str, memo) -> Tuple[bool, ...]:
-    """Which elements of a ``while`` body's result depend on kernel compute in some
-    iteration: a fixpoint over the carried tuple, where an element read from the body's
-    parameter depends when that element does.  A block that a loop only forwards (a
-    rolled ring's activation) does not; an accumulator that a tile adds to does."""
-    if body in memo:
-        return memo[body]
+def _loop_carry_depends(comps, computes, body: str, init: Tuple[bool, ...],
+                        memo) -> Tuple[bool, ...]:
+    """Which elements of a ``while`` loop's result depend on kernel compute: a fixpoint
+    over the carried tuple, from the elements of its initial value that do (``init``),
+    where an element read from the body's parameter depends when that element does.  A
+    block that a loop only forwards (a rolled ring's activation) does not; an
+    accumulator that a tile adds to does."""
+    key = (body, init)
+    if key in memo:
+        return memo[key]
     instrs = comps.get(body, (False, []))[1]
     names = {n for n, *_ in instrs}
     root = next((i for i in instrs if i[4].lstrip().startswith("ROOT")), None)
     params = {n for n, _, op, _, _ in instrs if op == "parameter"}
-    carried: Set[int] = set()
+    carried: Set[int] = {i for i, d in enumerate(init) if d}
     elems: Tuple[bool, ...] = ()
     for _ in range(len(instrs) + 1):  # each pass adds an element or stops
         dep: Dict[str, bool] = {}
@@ -203,12 +206,12 @@ def _loop_carry_depends(comps, computes, body: str, memo) -> Tuple[bool, ...]:
         if root is None:
             break
         outs = _operands(root[3], names) if root[2] == "tuple" else [root[0]]
-        elems = tuple(dep.get(o, False) for o in outs)
+        elems = tuple(dep.get(o, False) or i in carried for i, o in enumerate(outs))
         new = {i for i, d in enumerate(elems) if d}
         if new <= carried:
             break
         carried |= new
-    memo[body] = elems
+    memo[key] = elems
     return elems
 
 
@@ -243,14 +246,16 @@ def overlap_windows(hlo: str) -> List[OverlapWindow]:
                 m = re.search(r"index=(\d+)", rest)
                 i = int(m.group(1)) if m else -1
                 body = re.search(r"\bbody=%?([\w.\-]+)", rest_of[src])
-                elems = _loop_carry_depends(comps, computes, body.group(1), loops) \
-                    if body else ()
                 init = _operands(rest_of[src], names)
-                init_elems = (_operands(rest_of[init[0]], names)
-                              if init and opcode[init[0]] == "tuple" else [])
-                from_init = (depends.get(init_elems[i], False) if 0 <= i < len(init_elems)
-                             else any(depends.get(o, False) for o in init))
-                depends[name] = (elems[i] if 0 <= i < len(elems) else True) or from_init
+                if body and init and opcode[init[0]] == "tuple":
+                    init_deps = tuple(depends.get(o, False)
+                                      for o in _operands(rest_of[init[0]], names))
+                    elems = _loop_carry_depends(comps, computes, body.group(1), init_deps,
+                                                loops)
+                else:  # an initial value that is not a literal tuple: all or nothing
+                    elems = ()
+                depends[name] = (elems[i] if 0 <= i < len(elems) else
+                                 depends.get(src, True))
             else:
                 depends[name] = is_compute(op, rest) or any(depends.get(o, False)
                                                            for o in operands)
