@@ -1,6 +1,7 @@
 """benchmarks/packed.py on CPU, the cheap parts: documents, FLOP counts, the check cases,
 the layout phase (its full ``--dry-run`` takes about a minute and is run by hand), and the
-timing helpers (profiler timelines split into calls, back-to-back rounds, clock samples)."""
+timing helpers (profiler timelines split into calls, back-to-back rounds, clock samples);
+and ``benchmarks/packed_batch.py``'s dry run."""
 
 import json
 import sys
@@ -97,3 +98,21 @@ def test_clock_sampler_without_nvidia_smi(monkeypatch):
     assert clk.samples == [] and clk.mean(0.0, 1e9) == {"n": 0}
     clk.samples = [(1.0, 1700.0, 650.0), (2.0, 1800.0, 690.0), (9.0, 1980.0, 100.0)]
     assert clk.mean(0.5, 2.5) == {"sm_mhz": 1750.0, "power_w": 670.0, "n": 2}
+
+
+def test_packed_batch_dry_run_checks_the_dims_asked(tmp_path, monkeypatch, capsys):
+    """benchmarks/packed_batch.py on CPU: its check at the head dims of ``--check-dims``,
+    the timing rows, the JSON; a malformed ``--check-dims`` is refused by name."""
+    import packed_batch
+    monkeypatch.setenv("OUT", str(tmp_path))
+    packed_batch.main(["--dry-run", "--check-dims", "32"])
+    out = capsys.readouterr().out
+    checks = [line for line in out.splitlines() if line.startswith("check ")]
+    assert checks and all(line.startswith("check D= 32") and line.endswith(" ok")
+                          for line in checks), checks
+    result = json.loads((tmp_path / "packed_batch.json").read_text())
+    assert result["checked"] is True
+    assert {r["name"] for r in result["rows"]} >= {"packed L128", "batch ours L128"}
+    with pytest.raises(SystemExit):
+        packed_batch.main(["--dry-run", "--check-dims", "x"])
+    assert "--check-dims" in capsys.readouterr().err
