@@ -168,7 +168,7 @@ def device_times(calls, logdir: str) -> list:
     return out
 
 
-def device_rounds(calls: dict, rounds: int, seed: int = 0) -> dict:
+def device_rounds(calls: dict, rounds: int, seed: int = 0, busy: dict = None) -> dict:
     """Median device time (ms) of each ``name: (fn, args)`` over ``rounds`` rounds in a
     fresh order each round (``_util.round_order``), from one profiler trace
     (``device_times``): each call is synchronised, and its time runs from its first
@@ -177,7 +177,9 @@ def device_rounds(calls: dict, rounds: int, seed: int = 0) -> dict:
     against 13.66 ms for the packed 64k call, 110.02 against 109.37 for cuDNN's unpacked
     one, RESULTS.md "Packed documents, fourth pass"), a larger share of a short call than
     of a long one; the device time leaves it out of both.  ``{}`` when ``rounds`` is 0 or
-    the trace cannot be read (printed)."""
+    the trace cannot be read (printed).  ``busy``: a dict that receives each call's
+    median kernel time (the sum of its kernels' durations), so a span longer than its
+    kernels shows as idle time inside the call."""
     if not rounds:
         return {}
     import functools
@@ -196,6 +198,10 @@ def device_rounds(calls: dict, rounds: int, seed: int = 0) -> dict:
         print(f"  device time: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return {}
     spans = {n: [] for n in names}
-    for n, span, _, _ in got:
+    kernel_ms = {n: [] for n in names}
+    for n, span, kernels, _ in got:
         spans[n].append(span)
+        kernel_ms[n].append(kernels)
+    if busy is not None:
+        busy.update({n: statistics.median(v) for n, v in kernel_ms.items()})
     return {n: statistics.median(v) for n, v in spans.items()}

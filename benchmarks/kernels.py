@@ -121,6 +121,9 @@ CHECK_CASES = {
     "ragged_causal_aligned": (1, 300, 300, 4, 1, "contiguous", True, None, False),
     "window_aligned": (1, 256, 256, 4, 2, "contiguous", True, (70, 0), False),
     "segments_aligned": (2, 256, 256, 4, 2, "contiguous", True, None, True),
+    # documents of ~256 tokens: whole key blocks in one document as well as cut ones,
+    # so the backward's every mask class runs (MgpuConfig.mask_classes)
+    "segments_long": (1, 768, 768, 4, 2, "contiguous", True, None, True),
 }
 
 

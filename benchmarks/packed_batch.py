@@ -39,6 +39,7 @@ under the profiler, its kernels by category and the longest ones (``_profile``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -50,18 +51,50 @@ import numpy as np  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
-from _profile import device_rounds, print_summary, profile_call  # noqa: E402
+from _profile import (device_rounds, group_calls, print_summary,  # noqa: E402
+                      profile_call, profile_timeline)
 from _util import env_info, out_dir, rel, round_order, save_json  # noqa: E402
 from packed import _inputs, lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
 
 
-def _ours(mesh, kernel, with_seg):
+#: ``--kernels``: calls profiled in a row per function (synchronised one by one)
+KERNEL_CALLS = 5
+
+
+def _ours(mesh, kernel, with_seg, unmasked=False):
+    """``unmasked``: trace under ``_unmasked_lists`` (a bound: wrong values)."""
     def fb(q, k, v, do, seg):
         def f(q, k, v):
             return jsp.attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
                                  segment_ids=seg if with_seg else None)
-        return jax.vjp(f, q, k, v)[1](do)
+        with _unmasked_lists(unmasked):
+            return jax.vjp(f, q, k, v)[1](do)
     return jax.jit(fb)
+
+
+@contextlib.contextmanager
+def _unmasked_lists(on: bool):
+    """While a call traces: the Hopper kernels' tile lists claim every listed tile fully
+    visible, so the kernels run no mask code (``--bounds``).  The results are wrong; the
+    time is a bound on what cheaper masks could give.  Pair it with a config no other
+    row runs (the kernels' jitted functions cache by config)."""
+    if not on:
+        yield
+        return
+    from jax_seqpar.kernels import pallas_mgpu, pallas_mgpu_bwd
+    real = pallas_mgpu.tile_lists
+
+    def all_full(*args, **kwargs):
+        tbl = real(*args, **kwargs)
+        tbl = tbl.at[..., 1].set(tbl[..., 0])
+        if kwargs.get("classes"):  # every class empty too: the kernels visit each tile once
+            tbl = tbl.at[..., -3:].set(tbl[..., :1])
+        return tbl
+    pallas_mgpu.tile_lists = pallas_mgpu_bwd.tile_lists = all_full
+    try:
+        yield
+    finally:
+        pallas_mgpu.tile_lists = pallas_mgpu_bwd.tile_lists = real
 
 
 def _cudnn():
@@ -70,6 +103,12 @@ def _cudnn():
             q, k, v, is_causal=True, implementation="cudnn")
         return jax.vjp(f, q, k, v)[1](do)
     return jax.jit(fb)
+
+
+def _ragged(S):
+    """Three document lengths filling ``S`` whose boundaries fall inside blocks."""
+    a, b = S // 8 + S // 27, S // 2 - S // 10
+    return [a, b, S - a - b]
 
 
 def check(on_gpu, kernels, dims=(64, 128)) -> bool:
@@ -82,10 +121,13 @@ def check(on_gpu, kernels, dims=(64, 128)) -> bool:
     ok = True
     for D in dims:
         q, k, v, do = _inputs(D, B, S, S, H, H, D, dtype)
-        lens = [S // 8, S // 2, S - S // 8 - S // 2]
-        for with_seg in (False, True):
-            seg = jnp.asarray(segments_from_lengths(lens, S)[0][None].repeat(B, 0))
-            seg_arg = seg if with_seg else None
+        aligned = [S // 8, S // 2, S - S // 8 - S // 2]
+        for kind, lens in (("causal  ", None), ("segments", aligned), ("ragged  ", _ragged(S))):
+            with_seg = lens is not None
+            # the second ids: documents that start inside blocks, so every kind of masked
+            # tile occurs (cut by a document boundary on either side, or on the diagonal)
+            seg_arg = (jnp.asarray(segments_from_lengths(lens, S)[0][None].repeat(B, 0))
+                       if with_seg else None)
 
             def ref(q, k, v):
                 return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32),
@@ -101,7 +143,7 @@ def check(on_gpu, kernels, dims=(64, 128)) -> bool:
                 errs = [rel(a, b) for a, b in zip((out, *vjp(do)), (r_out, *r_grads))]
                 good = max(errs) <= 2e-2
                 ok &= good
-                print(f"check D={D:3d} {'segments' if with_seg else 'causal  '} {name:12s} "
+                print(f"check D={D:3d} {kind} {name:12s} "
                       + " ".join(f"{n} {e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errs))
                       + (" ok" if good else " FAIL"), flush=True)
     return ok
@@ -122,6 +164,14 @@ def main(argv=None):
     p.add_argument("--mgpu-variant", action="append", default=[],
                    help="NAME:field=value,...: also time pallas_mgpu with these MgpuConfig "
                         "fields replaced (Hopper only)")
+    p.add_argument("--bounds", action="store_true",
+                   help="also time pallas_mgpu on the 64k row, and with no mask code (every "
+                        "listed tile run as fully visible: wrong values, a bound) on the "
+                        "log-normal documents and the batch (Hopper only)")
+    p.add_argument("--kernels", default="",
+                   help="comma-separated names of timed functions whose kernels are listed "
+                        "one by one, in launch order (the median of KERNEL_CALLS profiled "
+                        "calls each)")
     p.add_argument("--check-dims", default="64,128",
                    help="head dims of the check, comma-separated (a variant such as "
                         "split_dq serves only D >= 128)")
@@ -141,6 +191,8 @@ def main(argv=None):
         p.error(str(e))
     if variants and not hopper:
         p.error("--mgpu-variant: pallas_mgpu needs a Hopper GPU")
+    if a.bounds and not hopper:
+        p.error("--bounds: pallas_mgpu needs a Hopper GPU")
     if a.check:
         kernels = {"auto": "auto", **({"pallas_mgpu": "pallas_mgpu"} if hopper else {}),
                    **variants}
@@ -159,6 +211,14 @@ def main(argv=None):
     full = 3.5 * 2 * H * D * float(S) ** 2
     one = _inputs(0, 1, S, S, H, H, D, dtype)
     calls = {"cudnn one row": (dense, (*one, None), full)}
+    if a.bounds:
+        from kernels import MgpuVariant
+        # index_tiles=False: the forward reads its lists on every tile (the bound needs
+        # them), and a config of its own keeps the bound's kernels out of the others' cache
+        nomask = MgpuVariant(name="unmasked", overrides=(("index_tiles", False),))
+        calls["one row mgpu"] = (_ours(mesh, "pallas_mgpu", False), (*one, None), full)
+        calls["one row mgpu unmasked"] = (_ours(mesh, nomask, False, True), (*one, None),
+                                          full)
     for L in doc_lens:
         n = S // L
         seg = jnp.asarray(segments_from_lengths([L] * n, S)[0][None])
@@ -176,6 +236,11 @@ def main(argv=None):
         useful_ln = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg_ln[0]))
         calls[f"packed lognormal L{L}"] = (_ours(mesh, kernel, True), (*one, seg_ln),
                                            useful_ln)
+        if a.bounds:
+            calls[f"packed lognormal unmasked L{L}"] = (_ours(mesh, nomask, True, True),
+                                                        (*one, seg_ln), useful_ln)
+            calls[f"batch mgpu unmasked L{L}"] = (_ours(mesh, nomask, False, True),
+                                                  (*batch, None), useful)
         for name, kern in variants.items():
             calls[f"packed {name} L{L}"] = (_ours(mesh, kern, True), (*one, seg), useful)
             calls[f"packed lognormal {name} L{L}"] = (_ours(mesh, kern, True),
@@ -194,8 +259,9 @@ def main(argv=None):
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             ts[n].append(time.perf_counter() - t0)
+    busy = {}
     dev = device_rounds({n: (c[0], c[1]) for n, c in calls.items()}, a.device_rounds,
-                        seed=S)
+                        seed=S, busy=busy)
     base = "cudnn one row"
     rows = []
     for n in names:
@@ -206,13 +272,15 @@ def main(argv=None):
                    of_cudnn_row_wall=float(np.median((useful / t) / (full / np.array(ts[base])))))
         if n in dev and base in dev:
             row["device_ms"] = dev[n]
+            row["device_busy_ms"] = busy[n]
             row["useful_tflops_device"] = useful / (dev[n] / 1e3) / 1e12
             row["of_cudnn_row_device"] = (useful / dev[n]) / (full / dev[base])
         rows.append(row)
         print(f"{n:24s} {row['ms']:8.2f} ms {row['useful_tflops']:6.1f} TFLOP/s "
               f"{100 * row['of_cudnn_row_wall']:5.1f}% of cuDNN one row (wall)"
               + (f"  device {row['device_ms']:8.2f} ms "
-                 f"{100 * row['of_cudnn_row_device']:5.1f}%" if "device_ms" in row else ""),
+                 f"{100 * row['of_cudnn_row_device']:5.1f}% (kernels "
+                 f"{row['device_busy_ms']:.2f} ms)" if "device_ms" in row else ""),
               flush=True)
     for n in filter(None, a.profile.split(",")):
         if n not in calls:
@@ -224,10 +292,34 @@ def main(argv=None):
                                        f"/tmp/packed_batch_profile_{len(n)}"), n)
         except Exception as e:  # a trace that cannot be read costs the profile only
             print(f"profile {n!r}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    per_kernel = {}
+    for n in filter(None, a.kernels.split(",")):
+        if n not in calls:
+            print(f"kernels {n!r}: no such function (have {names})", flush=True)
+            continue
+        fn, args, _ = calls[n]
+
+        def calls_in_a_row(fn=fn, args=args):
+            for _ in range(KERNEL_CALLS):
+                jax.block_until_ready(fn(*args))
+        try:
+            groups = group_calls(profile_timeline(
+                calls_in_a_row, f"/tmp/packed_batch_kernels_{len(per_kernel)}"),
+                KERNEL_CALLS)
+        except Exception as e:  # a trace that cannot be read costs the listing only
+            print(f"kernels {n!r}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        # the median over the calls of each kernel's duration, by its place in the call
+        per_kernel[n] = [(name[:80], float(np.median([g[i][2] for g in groups])) / 1e3)
+                         for i, (name, _, _) in enumerate(groups[0])]
+        print(f"kernels {n!r}: " + ", ".join(
+            f"{name[:28]} {dur:.3f}" for name, dur in per_kernel[n] if dur >= 0.02)
+            + f" (ms, launch order, median of {KERNEL_CALLS} calls; those of 20 us or more)",
+            flush=True)
     path = os.path.join(out_dir(), "packed_batch.json")
     save_json(dict(env=env_info(), seq=S, heads=H, head_dim=D, rounds=a.rounds,
                    device_rounds=a.device_rounds, checked=checked if a.check else None,
-                   rows=rows), path)
+                   rows=rows, kernels=per_kernel), path)
     print(f"wrote {path}")
     if not checked:
         raise SystemExit("a check failed (see the 'check' lines above)")

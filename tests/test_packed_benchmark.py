@@ -89,6 +89,26 @@ def test_sustained_and_device_rounds_on_cpu(capsys):
     assert "device time: FAILED" in capsys.readouterr().out
 
 
+def test_device_rounds_report_kernel_time_beside_the_span(monkeypatch):
+    """``device_rounds(busy=...)``: the median span per call and, beside it, the median
+    sum of its kernels' durations (a span longer than its kernels is idle time)."""
+    import _profile
+    fake = {"f": [(3.0, 2.5), (5.0, 2.0), (4.0, 3.0)], "g": [(1.0, 1.0)] * 3}
+
+    def device_times(seq, logdir):
+        seen = {n: 0 for n in fake}
+        out = []
+        for n, _ in seq:
+            span, kernels = fake[n][seen[n]]
+            seen[n] += 1
+            out.append((n, span, kernels, 7))
+        return out
+    monkeypatch.setattr(_profile, "device_times", device_times)
+    busy = {}
+    got = _profile.device_rounds({"f": (None, ()), "g": (None, ())}, 3, busy=busy)
+    assert got == {"f": 4.0, "g": 1.0} and busy == {"f": 2.5, "g": 1.0}
+
+
 def test_clock_sampler_without_nvidia_smi(monkeypatch):
     import shutil
     import _util
