@@ -6,6 +6,7 @@ a ring step, a zigzag shard or a striped shard produces them.  The GPU-compiled 
 exercised by ``benchmarks/kernels.py`` (results in benchmarks/RESULTS.md).
 """
 
+import collections
 import functools
 
 import chex
@@ -269,6 +270,76 @@ def test_tile_lists_with_segments_match_brute_force(kind, segs):
         assert tbl[0, :, 0].sum() < plain[0, :, 0].sum()
     if segs == "single":  # one document: the lists of a call without segment ids
         np.testing.assert_array_equal(tbl, lists(has_seg=False))
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "ring_step"])
+@pytest.mark.parametrize("segs", ["sorted", "short", "unsorted"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["rows_q", "rows_k"])
+def test_tile_lists_mask_classes_rebuild_the_mask(kind, segs, transpose):
+    """``tile_lists(classes=True)`` (the Hopper backward's ``mask_classes``): the same
+    tiles and fully visible ones as without classes, the partial ones sorted into
+    ``MASK_CLASSES``; on every tile of a class, the tests that class runs (positions or
+    not; segments per pair, or folded: the query's id against the key block's one id)
+    give exactly the mask of the contract, padded keys included."""
+    from jax_seqpar.kernels.pallas_common import MASK_CLASSES
+    Tq, Tk, bq, bk = 64, 50, 16, 8
+    qp, kp = positions(kind, Tq, Tk)
+    S = int(max(qp.max(), kp.max())) + 1
+    rng = np.random.default_rng(len(kind) + 7 * len(segs))
+    if segs == "unsorted":
+        glob = rng.integers(0, 3, S)
+    else:
+        glob = np.zeros(S, int)
+        for c in rng.choice(np.arange(1, S), 4 if segs == "sorted" else S // 5,
+                            replace=False):
+            glob[c:] += 1
+    qs, ks = glob[qp], glob[kp]
+    mask = MaskSpec(causal=True)
+    kp_pad, qs_pad, ks_pad = _padded_blocks(kp, bk), _padded_blocks(qs, bq), \
+        _padded_blocks(ks, bk)
+    Lk = len(kp_pad)
+
+    def lists(**kw):
+        return np.asarray(tile_lists(mask, jnp.asarray(qp[None], jnp.int32),
+                                     jnp.asarray(kp_pad), Tk, bq, bk, True,
+                                     transpose=transpose, q_seg=jnp.asarray(qs_pad[None]),
+                                     kv_seg=jnp.asarray(ks_pad[None]), **kw))
+    plain, tbl = lists(), lists(classes=True)
+    n_cols = plain.shape[-1] - 2
+    assert tbl.shape[-1] == n_cols + 5
+    np.testing.assert_array_equal(tbl[..., :2], plain[..., :2])
+    pad = np.arange(Lk) < Tk
+    pos_vis = np.asarray(mask.visible(jnp.asarray(qp), jnp.asarray(kp_pad))) & pad
+    seg_eq = qs[:, None] == ks_pad[None, :]
+    vis = pos_vis & seg_eq
+    seen = collections.Counter()
+    for r in range(tbl.shape[1]):
+        count, n_full = tbl[0, r, 0], tbl[0, r, 1]
+        blocks = tbl[0, r, 2:2 + count]
+        assert set(blocks.tolist()) == set(plain[0, r, 2:2 + count].tolist())
+        assert set(blocks[:n_full].tolist()) == set(plain[0, r, 2:2 + n_full].tolist())
+        bounds = [n_full, *tbl[0, r, -3:], count]
+        assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
+        for c, (pos, seg) in enumerate(MASK_CLASSES):
+            for col in blocks[bounds[c]:bounds[c + 1]]:
+                i, j = (col, r) if transpose else (r, col)
+                rows, keys = slice(i * bq, (i + 1) * bq), slice(j * bk, (j + 1) * bk)
+                got = pos_vis[rows, keys] if pos else np.ones((bq, bk), bool)
+                if not pos:  # the positions prove every pair visible, no padded key
+                    assert pos_vis[rows, keys].all()
+                if seg == "fold":
+                    kblock = ks_pad[keys]
+                    assert (kblock == kblock[0]).all(), "a folded tile's keys span documents"
+                    got = got & (qs[rows] == kblock[0])[:, None]
+                else:
+                    got = got & seg_eq[rows, keys]
+                np.testing.assert_array_equal(got, vis[rows, keys])
+                seen[(pos, seg)] += 1
+    if segs == "sorted" and kind == "contiguous":  # every class occurs on packed ids
+        assert set(seen) == set(MASK_CLASSES), seen
+    with pytest.raises(ValueError, match=r"classes=True\) needs q_seg"):
+        tile_lists(mask, jnp.asarray(qp[None], jnp.int32), jnp.asarray(kp_pad), Tk, bq, bk,
+                   True, classes=True)
 
 
 def test_segment_skip_flag_restores_the_plain_lists():

@@ -161,8 +161,16 @@ def segment_tiles(q_seg, kv_seg, bq: int, bk: int):
     return may_share, one_segment
 
 
+#: The mask classes of ``tile_lists(classes=True)``, in list order after the fully
+#: visible tiles: (does the tile need the position test, how its segment test runs).
+#: ``"fold"``: the key block holds one document, so the segment test is a condition on the
+#: query alone, which a backward kernel folds into the query's lse (``+inf``: P = 0) at no
+#: cost per score; ``"pair"``: the test per score, as without classes.
+MASK_CLASSES = ((False, "fold"), (True, "fold"), (False, "pair"), (True, "pair"))
+
+
 def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg: bool,
-               transpose: bool = False, q_seg=None, kv_seg=None):
+               transpose: bool = False, q_seg=None, kv_seg=None, classes: bool = False):
     """Per row block, the column blocks it may see, as ``int32 [B, n_rows, n_cols + 2]``.
 
     Entry 0 is the number ``c`` of visible blocks, entry 1 the number ``f <= c`` of them
@@ -178,6 +186,14 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     no document, and counts as fully visible when both blocks lie in one and the same
     document (``segment_tiles``).  Without them (``has_seg`` alone) segments make no
     tile fully visible and skip none: the kernels' ``segment_skip=False``.
+
+    ``classes`` (with segment ids): the partially visible tiles are ordered by
+    ``MASK_CLASSES`` -- whether their positions alone prove every pair visible (then no
+    position test), and whether their key block lies in one document (then the segment
+    test depends on the query alone) -- and three more entries close each row:
+    ``[..., n_cols + 2 : n_cols + 5]`` are where the 2nd, 3rd and 4th class start (the
+    1st starts at ``f``, the 4th ends at ``c``), so a kernel runs one loop per class
+    with only the mask code that class needs.
     """
     B, Lq = q_pos.shape
     qb = q_pos.reshape(B, Lq // bq, bq)
@@ -189,6 +205,10 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
     full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
     whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
+    pos_full = full & whole[None, None, :]
+    if classes and q_seg is None:
+        raise ValueError("tile_lists(classes=True) needs q_seg and kv_seg (the classes "
+                         "sort the tiles that segments mask)")
     if q_seg is not None:
         may_share, one_segment = segment_tiles(q_seg, kv_seg, bq, bk)
         vis = vis & may_share
@@ -196,10 +216,20 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     elif has_seg:
         full = full & False
     full = full & whole[None, None, :] & vis
+    if not classes:
+        if transpose:
+            vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
+        order, count, n_full = compact_tiles(vis, full)
+        return jnp.concatenate([count[..., None], n_full[..., None], order], axis=-1)
+    k_lo_seg, k_hi_seg = block_ranges(kv_seg, bk)
+    k_one = (k_lo_seg == k_hi_seg)[:, None, :]               # [B, 1, nk]
+    group = jnp.where(full, 0, 1 + jnp.where(k_one, 0, 2) + jnp.where(pos_full, 0, 1))
     if transpose:
-        vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
-    order, count, n_full = compact_tiles(vis, full)
-    return jnp.concatenate([count[..., None], n_full[..., None], order], axis=-1)
+        vis, group = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(group, 1, 2)
+    order, counts = partition_tiles(vis, group, 1 + len(MASK_CLASSES))
+    starts = jnp.cumsum(counts, -1, dtype=jnp.int32)          # ends of groups 0..4
+    return jnp.concatenate([starts[..., -1:], starts[..., :1], order, starts[..., 1:4]],
+                           axis=-1)
 
 
 def compact_tiles(vis, full):
@@ -211,24 +241,35 @@ def compact_tiles(vis, full):
     of a packed fwd+bwd at 64k tokens took 0.46 ms this way and 0.65 ms sorted (at 16k
     0.27 and 0.24 ms; RESULTS.md, "Packed documents, second pass").
     """
-    full = full & vis
-    part = vis & ~full
-    n_full = full.sum(-1, dtype=jnp.int32)
-    count = vis.sum(-1, dtype=jnp.int32)
+    order, counts = partition_tiles(vis, jnp.where(full, 0, 1), 2)
+    return order, counts.sum(-1), counts[..., 0]
+
+
+def partition_tiles(vis, group, n_groups: int):
+    """The visible column indices of each row ordered by ``group`` (ints in
+    ``0 .. n_groups - 1``), each group in increasing order, then zeros:
+    ``(order [..., n], counts [..., n_groups])``.  ``compact_tiles`` is its two-group
+    case."""
     n_cols = vis.shape[-1]
     col = jnp.arange(n_cols, dtype=jnp.int32)
     # invisible columns go to n_cols + col: out of bounds (dropped), and still distinct,
     # so the scatter's unique_indices promise holds
-    dest = jnp.where(full, jnp.cumsum(full, -1, dtype=jnp.int32) - 1,
-                     jnp.where(part, n_full[..., None] + jnp.cumsum(part, -1, dtype=jnp.int32)
-                               - 1, n_cols + col))
+    dest = n_cols + col + jnp.zeros(vis.shape, jnp.int32)
+    offset = jnp.zeros(vis.shape[:-1], jnp.int32)
+    counts = []
+    for g in range(n_groups):
+        in_g = vis & (group == g)
+        dest = jnp.where(in_g, offset[..., None] + jnp.cumsum(in_g, -1, dtype=jnp.int32) - 1,
+                         dest)
+        counts.append(in_g.sum(-1, dtype=jnp.int32))
+        offset = offset + counts[-1]
     rows = vis.shape[:-1]
     flat = dest.reshape(-1, n_cols)
     cols = jnp.broadcast_to(col, flat.shape)
     r = jnp.broadcast_to(jnp.arange(flat.shape[0], dtype=jnp.int32)[:, None], flat.shape)
     order = jnp.zeros(flat.shape, jnp.int32).at[r, flat].set(cols, mode="drop",
                                                              unique_indices=True)
-    return order.reshape(*rows, n_cols), count, n_full
+    return order.reshape(*rows, n_cols), jnp.stack(counts, -1)
 
 
 def segment_lists_args(q_seg, kv_seg, skip: bool):
