@@ -198,6 +198,10 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
                 dict(atomic_dq=True),
                 dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
+                dict(atomic_dq=False, mask_classes=False),
+                dict(atomic_dq=False, mask_classes_dkdv=True),
+                dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
+                     mask_classes_dkdv=True),
                 dict(atomic_dq=True, warp_producer_bwd=True)] + (
         [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
     for kw in variants:
@@ -208,6 +212,36 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
             *pos, *segs)
         # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
+
+
+@pytest.mark.parametrize("kw,seg,want", [
+    (dict(), True, [False, True]), (dict(mask_classes=False), True, [False, False]),
+    (dict(mask_classes_dkdv=True), True, [True, True]),
+    (dict(mask_classes=False, mask_classes_dkdv=True), True, [True, False]),
+    (dict(segment_skip=False, mask_classes_dkdv=True), True, [False, False]),
+    (dict(mask_classes_dkdv=True), False, [False, False]),
+    (dict(atomic_dq=True, mask_classes_dkdv=True), True, [False])])
+def test_backward_lists_carry_mask_classes(kw, seg, want, monkeypatch):
+    """``MgpuConfig.mask_classes`` / ``mask_classes_dkdv``: the dQ / dK/dV kernel gets
+    class-sorted lists (three more entries per row) with segment ids and
+    ``segment_skip``; the atomic-dQ kernel, which does not read classes, plain ones."""
+    from jax_seqpar.kernels import pallas_mgpu_bwd
+    seen = []
+    real = pallas_mgpu_bwd.tile_lists
+
+    def spy(*a, **k):
+        seen.append(k.get("classes", False))
+        return real(*a, **k)
+    monkeypatch.setattr(pallas_mgpu_bwd, "tile_lists", spy)
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], **kw)
+    T = 512
+    q = SDS((1, T, 2, 128), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
+        q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg),
+        q, q, q, q, SDS((1, 2, T), jnp.float32), q, *pos, *segs)
+    assert seen == want  # dK/dV's (transposed) list first, then dQ's
 
 
 # --------------------------------------------------------------------------- tile masks

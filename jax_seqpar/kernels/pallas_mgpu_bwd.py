@@ -53,7 +53,8 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, on_producer_warps, produce_kv,
+                                                   cta_order, masked_loops,
+                                                   on_producer_warps, produce_kv,
                                                    tile_visible)
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -62,7 +63,7 @@ from jax_seqpar.masks import MaskSpec
 # --------------------------------------------------------------------------- dK, dV
 def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
                mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               dq_acc=None):
+               dq_acc=None, classes: bool = False):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     B, Lq, Hq, D = q.shape
@@ -106,15 +107,33 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
-            def mask_scores(s, t):
-                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``."""
+            def mask_scores(s, t, mode):
+                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``: the tests
+                ``mode`` (``masked_loops``) names, none for an unmasked tile."""
+                if mode is None:
+                    return s
+                pos, seg = mode
                 start = tbl_ref[b, blk, t + 2] * bq
-                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL)
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if has_seg else None
-                ok = tile_visible(mask, qpos, kpos, qseg, kseg, 1, (bk, bq))
+                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL) if pos else None
+                pair = seg == "pair"
+                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if pair else None
+                ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
+                                  qseg, kseg if pair else None, 1, (bk, bq))
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def step_overlap(t, carry, hh, masked_tile):
+            def col_lse(lse, t, mode):
+                """lse, or (segment test folded: the CTA's keys are one document) +inf
+                for the queries of another document, so that their P is 0.  (The ids
+                load here, once the scores exist, as the pair test's do: loaded before
+                the products were issued, they made the kernel 2-4% slower on one H100,
+                RESULTS.md.)"""
+                if mode is None or mode[1] != "fold":
+                    return lse
+                start = tbl_ref[b, blk, t + 2] * bq
+                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL)
+                return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
+
+            def step_overlap(t, carry, hh, mode):
                 # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
@@ -129,8 +148,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     plgpu.barrier_wait(lse_ready.at[slot])
                     lse = _load(lse_smem.at[slot], COL, gmem=False)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
-                    if masked_tile:
-                        s = mask_scores(s, t)
+                    s = mask_scores(s, t, mode)
+                    lse = col_lse(lse, t, mode)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
@@ -145,7 +164,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
-            def probs_t(t, slot, masked_tile):
+            def probs_t(t, slot, mode):
                 """``P^T`` of tile ``t`` from ``S^T = K Q^T`` issued alone, once its dO
                 block has landed too (the serial steps' shared first half)."""
                 plgpu.barrier_wait(q_ready.at[slot])
@@ -156,18 +175,18 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
-                if masked_tile:
-                    s = mask_scores(s, t)
+                s = mask_scores(s, t, mode)
+                lse = col_lse(lse, t, mode)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
                 return p
 
-            def step_dv_with_dp(t, carry, hh, masked_tile):
+            def step_dv_with_dp(t, carry, hh, mode):
                 # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
                 # freed when dV is done, Q's when dK is
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
-                p = probs_t(t, slot, masked_tile)
+                p = probs_t(t, slot, mode)
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
 
                 def body(refs):
@@ -186,14 +205,14 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
-            def step(t, carry, hh, masked_tile):
+            def step(t, carry, hh, mode):
                 if config.dv_with_dp and not with_dq:
-                    return step_dv_with_dp(t, carry, hh, masked_tile)
+                    return step_dv_with_dp(t, carry, hh, mode)
                 if overlap:
-                    return step_overlap(t, carry, hh, masked_tile)
+                    return step_overlap(t, carry, hh, mode)
                 dk, dv = carry
                 slot = lax.rem(hh * count + t, jnp.int32(stages))
-                p = probs_t(t, slot, masked_tile)
+                p = probs_t(t, slot, mode)
 
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
@@ -251,10 +270,13 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
             def head(hh, carry):
                 carry = lax.fori_loop(0, n_full, functools.partial(
-                    step, hh=hh, masked_tile=False), carry)
+                    step, hh=hh, mode=None), carry)
                 if masked:
-                    carry = lax.fori_loop(n_full, count, functools.partial(
-                        step, hh=hh, masked_tile=True), carry)
+                    carry = masked_loops(
+                        tbl_ref, b, blk, n_full, count, has_seg, classes,
+                        lambda lo, hi, mode, carry: lax.fori_loop(
+                            lo, hi, functools.partial(step, hh=hh, mode=mode), carry),
+                        carry)
                 return carry
             zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
@@ -354,7 +376,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
 # --------------------------------------------------------------------------- dQ
 def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
-             mask: MaskSpec, scale: float, Tk: int, masked: bool, config: MgpuConfig):
+             mask: MaskSpec, scale: float, Tk: int, masked: bool, config: MgpuConfig,
+             classes: bool = False):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     B, Lq, Hq, D = q.shape
@@ -393,10 +416,19 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
             plgpu.barrier_wait(q_ready.at[wg])
 
-            def step_overlap(t, dq, masked_tile):
+            def row_lse(t, mode):
+                """lse, or (segment test folded: the key block is one document) +inf
+                for the queries of another document, so that their P is 0."""
+                if mode is None or mode[1] != "fold":
+                    return lse
+                kseg0 = kvseg_ref[b, tbl_ref[b, cta, t + 2] * bk]
+                return jnp.where(qseg == kseg0, lse, jnp.inf)
+
+            def step_overlap(t, dq, mode):
                 # S and dP issued together; P formed while dP runs
                 slot = lax.rem(t, jnp.int32(stages))
                 zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
+                lse_t = row_lse(t, mode)
 
                 def body(refs):
                     dq_ref_, s_ref, dp_ref = refs
@@ -405,10 +437,10 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.wgmma(dp_ref, dow, v_smem.at[slot].transpose((1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S done
-                    ok = visible(t) if masked_tile else None
+                    ok = visible(t, mode)
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_t, s.shape, [0]))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)  # dP done
                     plgpu.barrier_arrive(v_free.at[slot])
                     ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
@@ -418,32 +450,39 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq
 
-            def visible(t):
-                """The tile's mask (or None) from global positions, ids, padded keys."""
+            def visible(t, mode):
+                """The tile's mask (or None) from global positions, ids, padded keys:
+                the tests ``mode`` (``masked_loops``) names; None for an unmasked one."""
+                if mode is None:
+                    return None
+                pos, seg = mode
                 start = tbl_ref[b, cta, t + 2] * bk
                 shape = (bq, bk)
-                kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL)
-                kseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None)
+                kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL) if pos else None
+                pair = seg == "pair"
+                kseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if pair else None
                 pad = None
-                if pad_keys:
+                if pad_keys and pos:  # position-proved tiles hold no padded key
                     col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
                     pad = col + start < Tk
-                return tile_visible(mask, qpos, kpos, qseg, kseg, 0, shape, extra=pad)
+                return tile_visible(mask if pos else MaskSpec(), qpos, kpos,
+                                    qseg if pair else None, kseg, 0, shape, extra=pad)
 
-            def step(t, dq, masked_tile):
+            def step(t, dq, mode):
                 if config.overlap_bwd:
-                    return step_overlap(t, dq, masked_tile)
+                    return step_overlap(t, dq, mode)
                 slot = lax.rem(t, jnp.int32(stages))
+                lse_t = row_lse(t, mode)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def s_fn(acc_ref):
                     plgpu.wgmma(acc_ref, qw, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
-                ok = visible(t) if masked_tile else None
+                ok = visible(t, mode)
                 if ok is not None:
                     s = jnp.where(ok, s, -jnp.inf)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_t, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_fn(acc_ref):
@@ -460,10 +499,12 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
-            dq = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False), dq)
+            dq = lax.fori_loop(0, n_full, functools.partial(step, mode=None), dq)
             if masked:
-                dq = lax.fori_loop(n_full, count, functools.partial(step, masked_tile=True),
-                                   dq)
+                dq = masked_loops(
+                    tbl_ref, b, cta, n_full, count, has_seg, classes,
+                    lambda lo, hi, mode, dq: lax.fori_loop(
+                        lo, hi, functools.partial(step, mode=mode), dq), dq)
             qw[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, pl.ds(row0, bq), h])
@@ -533,7 +574,12 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
     pos_masked = mask.right_limit is not None or mask.left_limit is not None or has_seg
     seg_kw = segment_lists_args(*segs, config.segment_skip)
-    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True, **seg_kw)
+    # mask classes need the ids in the lists (segment_skip); the atomic-dQ kernel's
+    # steps do not take them
+    classes = bool(seg_kw) and config.mask_classes and not config.atomic_dq
+    classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
+    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
+                       classes=classes_dkdv, **seg_kw)
     if config.atomic_dq:
         dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
         dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
@@ -542,9 +588,11 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         dq = dq_acc[...][:, :Tq] * scale
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
-                        *segs, mask=mask, scale=scale, masked=pos_masked, config=config)
-    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, **seg_kw)
+                        *segs, mask=mask, scale=scale, masked=pos_masked, config=config,
+                        classes=classes_dkdv)
+    tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, classes=classes,
+                     **seg_kw)
     dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
                   mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk_dq != 0,
-                  config=config)
+                  config=config, classes=classes)
     return (dq[:, :Tq].astype(F32), dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32))
