@@ -36,7 +36,12 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   formed while ``dV`` runs, the dO slot freed before ``dK`` is done.
 
 The first ``n_full`` entries of each tile-list row run without mask code, the rest
-evaluate the mask on global positions, as in the forward.  Rows whose lse is ``-inf``
+evaluate the mask on global positions, as in the forward.  With segment ids the dQ
+kernel's lists sort the rest by mask class (``MgpuConfig.mask_classes``,
+``pallas_common.MASK_CLASSES``): one loop per class, the position test only where the
+positions leave pairs hidden, and the segment test, where the key block is one document,
+folded into the query's lse (``+inf`` for another document's queries: P = 0), one
+comparison per row instead of one per score.  Rows whose lse is ``-inf``
 (they saw nothing) give ``P = 0``.  dK and dV (and dQ of the two-kernel path) come back
 in the input dtype, as cuDNN's, and are cast to float32; atomic dQ stays float32.
 """
@@ -124,9 +129,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             def col_lse(lse, t, mode):
                 """lse, or (segment test folded: the CTA's keys are one document) +inf
                 for the queries of another document, so that their P is 0.  (The ids
-                load here, once the scores exist, as the pair test's do: loaded before
-                the products were issued, they made the kernel 2-4% slower on one H100,
-                RESULTS.md.)"""
+                load here, once the scores exist, as the pair test's do; loaded before
+                the products were issued they read no faster on one H100, RESULTS.md.)
+                Off by default: ``MgpuConfig.mask_classes_dkdv``."""
                 if mode is None or mode[1] != "fold":
                     return lse
                 start = tbl_ref[b, blk, t + 2] * bq

@@ -91,9 +91,10 @@ class MgpuConfig:
     positions prove every pair visible, and, where the key block lies in one document,
     the segment test folded into the query's lse (``+inf`` where the query's id differs,
     so P = 0 there) instead of a comparison per score.  On one H100, packed documents
-    (log-normal around 4k at 64k tokens) ran the dQ kernel 4.6% faster with it, within
-    1.5% of the same kernel with no mask code at all.  ``mask_classes_dkdv``: the same in
-    the dK/dV kernel, where it measured 2-4% slower, so off (RESULTS.md).
+    (log-normal around 4k at 64k tokens) ran the dQ kernel 4.6-5.4% faster with it (three
+    runs): its masks cost it 4% of its time instead of 9%.  ``mask_classes_dkdv``: the
+    same in the dK/dV kernel, which read 2-4% slower with it, inside that kernel's spread
+    between runs, so off (RESULTS.md).
     """
 
     block_q: int = 64
@@ -338,12 +339,19 @@ def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, r
     class's entries ``lo .. hi`` with ``mode = (position test?, segment test)`` (see
     ``pallas_common.MASK_CLASSES``), or over all of them with the full test when the
     lists have no classes (segment test ``"pair"``, or None without segment ids).
-    The class starts are the row's last three entries."""
+    The class starts are the row's last three entries; each is clamped between the one
+    before and ``count``, so the loops visit exactly the entries ``n_full .. count``
+    whatever the row holds (a consumer that visited more tiles than the producer streams
+    would wait for a ring slot forever)."""
+    from jax import lax
     from jax_seqpar.kernels.pallas_common import MASK_CLASSES
     if not classes:
         return run(n_full, count, (True, "pair" if has_seg else None), carry)
     n = tbl_ref.shape[-1]
-    bounds = [n_full] + [tbl_ref[b, row, n - 3 + i] for i in range(3)] + [count]
+    bounds = [n_full]
+    for i in range(3):
+        bounds.append(lax.min(lax.max(tbl_ref[b, row, n - 3 + i], bounds[-1]), count))
+    bounds.append(count)
     for i, mode in enumerate(MASK_CLASSES):
         carry = run(bounds[i], bounds[i + 1], mode, carry)
     return carry
