@@ -22,10 +22,18 @@ batches them, one document per row, all of one length ``L``:
   ``packed lognormal NAME`` and ``batch NAME`` through ``pallas_mgpu`` with those
   ``MgpuConfig`` fields replaced, in the same rotation, and checked like the rest.
 
+* ``--bounds`` (Hopper): ``one row mgpu`` (``pallas_mgpu`` on the unpacked row), and
+  ``... unmasked`` rows: ``pallas_mgpu`` traced while its tile lists claim every listed
+  tile fully visible, so the kernels run no mask code.  Their values are wrong; their
+  times bound what cheaper masks could give.
+* ``--kernels NAME,...``: each named call's kernels one by one, in launch order, the
+  median over ``KERNEL_CALLS`` calls in a row under the profiler.
+
 First (``--check``, on by default) the one-device calls it times are checked against the
 float32 reference (``jax_seqpar.reference``) at a small shape, D 64 and 128, budget 2e-2:
-``jax_seqpar.attention`` through ``auto`` and through ``pallas_mgpu`` (on Hopper), with and
-without segment ids.  Then causal forward + backward, H 16, D 128, bf16.  Useful FLOPs
+``jax_seqpar.attention`` through ``auto`` and through ``pallas_mgpu`` (on Hopper), without
+segment ids and with two sets: documents on block boundaries and documents that start
+inside blocks.  Then causal forward + backward, H 16, D 128, bf16.  Useful FLOPs
 ``3.5 * 2 * H * D * sum(L^2)`` (``packed.py``'s convention).  Wall clock over
 ``--rounds`` rounds and the device clock over ``--device-rounds``
 (``_profile.device_rounds``), both in a fresh order each round; rates as a share of
