@@ -36,9 +36,12 @@ segment ids and with two sets: documents on block boundaries and documents that 
 inside blocks.  Then causal forward + backward, H 16, D 128, bf16.  Useful FLOPs
 ``3.5 * 2 * H * D * sum(L^2)`` (``packed.py``'s convention).  Wall clock over
 ``--rounds`` rounds and the device clock over ``--device-rounds``
-(``_profile.device_rounds``), both in a fresh order each round; rates as a share of
-``cudnn one row``'s.  ``--profile NAME,...``: afterwards one call of each named function
-under the profiler, its kernels by category and the longest ones (``_profile``).
+(``_profile.device_rounds``, with each call's kernel time beside its span), both in a
+fresh order each round; rates as a share of ``cudnn one row``'s.  During the wall-clock
+rounds ``_util.ClockSampler`` reads the SM clock and board power (``nvidia-smi``, every
+10 ms), averaged per function over its calls.  ``--profile NAME,...``: afterwards one
+call of each named function under the profiler, its kernels by category and the longest
+ones (``_profile``).
 
     python benchmarks/packed_batch.py                       # one H100/H200, ~3 minutes
     python benchmarks/packed_batch.py --dry-run             # CPU, tiny, xla kernel
@@ -61,7 +64,8 @@ import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
 from _profile import (device_rounds, group_calls, print_summary,  # noqa: E402
                       profile_call, profile_timeline)
-from _util import env_info, out_dir, rel, round_order, save_json  # noqa: E402
+from _util import (ClockSampler, env_info, out_dir, rel, round_order,  # noqa: E402
+                   save_json)
 from packed import _inputs, lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
 
 
@@ -111,6 +115,16 @@ def _cudnn():
             q, k, v, is_causal=True, implementation="cudnn")
         return jax.vjp(f, q, k, v)[1](do)
     return jax.jit(fb)
+
+
+def call_clock(samples, spans) -> dict:
+    """Mean SM clock and board power of the ``ClockSampler`` ``samples`` (``(time, MHz,
+    W)``) read during any of the calls' ``spans`` (``(start, end)``), and their number."""
+    xs = [(m, w) for t, m, w in samples if any(a <= t <= b for a, b in spans)]
+    if not xs:
+        return dict(sm_mhz=None, power_w=None, clock_samples=0)
+    return dict(sm_mhz=float(np.mean([m for m, _ in xs])),
+                power_w=float(np.mean([w for _, w in xs])), clock_samples=len(xs))
 
 
 def _ragged(S):
@@ -261,12 +275,16 @@ def main(argv=None):
         print(f"  warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     names = list(calls)
     ts = {n: [] for n in names}
-    for r in range(a.rounds):
-        for n in round_order(names, r, seed=S):
-            fn, args, _ = calls[n]
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts[n].append(time.perf_counter() - t0)
+    spans = {n: [] for n in names}  # (start, end) of each wall-clock call
+    with ClockSampler() as clk:
+        for r in range(a.rounds):
+            for n in round_order(names, r, seed=S):
+                fn, args, _ = calls[n]
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                t1 = time.perf_counter()
+                ts[n].append(t1 - t0)
+                spans[n].append((t0, t1))
     busy = {}
     dev = device_rounds({n: (c[0], c[1]) for n, c in calls.items()}, a.device_rounds,
                         seed=S, busy=busy)
@@ -283,12 +301,15 @@ def main(argv=None):
             row["device_busy_ms"] = busy[n]
             row["useful_tflops_device"] = useful / (dev[n] / 1e3) / 1e12
             row["of_cudnn_row_device"] = (useful / dev[n]) / (full / dev[base])
+        row.update(call_clock(clk.samples, spans[n]))
         rows.append(row)
         print(f"{n:24s} {row['ms']:8.2f} ms {row['useful_tflops']:6.1f} TFLOP/s "
               f"{100 * row['of_cudnn_row_wall']:5.1f}% of cuDNN one row (wall)"
               + (f"  device {row['device_ms']:8.2f} ms "
                  f"{100 * row['of_cudnn_row_device']:5.1f}% (kernels "
-                 f"{row['device_busy_ms']:.2f} ms)" if "device_ms" in row else ""),
+                 f"{row['device_busy_ms']:.2f} ms)" if "device_ms" in row else "")
+              + (f"  {row['sm_mhz']:5.0f} MHz {row['power_w']:4.0f} W" if row["clock_samples"]
+                 else ""),
               flush=True)
     for n in filter(None, a.profile.split(",")):
         if n not in calls:

@@ -120,6 +120,15 @@ def test_clock_sampler_without_nvidia_smi(monkeypatch):
     assert clk.mean(0.5, 2.5) == {"sm_mhz": 1750.0, "power_w": 670.0, "n": 2}
 
 
+def test_call_clock_averages_the_samples_inside_the_calls():
+    import packed_batch
+    samples = [(0.5, 1000.0, 100.0), (1.5, 1800.0, 600.0), (2.5, 1900.0, 650.0),
+               (3.5, 1000.0, 100.0), (4.5, 1700.0, 700.0)]
+    got = packed_batch.call_clock(samples, [(1.0, 3.0), (4.0, 5.0)])
+    assert got == dict(sm_mhz=1800.0, power_w=650.0, clock_samples=3)
+    assert packed_batch.call_clock(samples, [(5.5, 6.0)])["clock_samples"] == 0
+
+
 def test_packed_batch_dry_run_checks_the_dims_asked(tmp_path, monkeypatch, capsys):
     """benchmarks/packed_batch.py on CPU: its check at the head dims of ``--check-dims``,
     the timing rows, the JSON; a malformed ``--check-dims`` is refused by name."""
@@ -132,6 +141,7 @@ def test_packed_batch_dry_run_checks_the_dims_asked(tmp_path, monkeypatch, capsy
                           for line in checks), checks
     result = json.loads((tmp_path / "packed_batch.json").read_text())
     assert result["checked"] is True
+    assert all("clock_samples" in r for r in result["rows"])
     assert {r["name"] for r in result["rows"]} >= {"packed L128", "batch ours L128"}
     with pytest.raises(SystemExit):
         packed_batch.main(["--dry-run", "--check-dims", "x"])
