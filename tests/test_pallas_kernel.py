@@ -225,6 +225,23 @@ def _padded_blocks(x, b):
     return np.concatenate([x, np.full(L - len(x), x[-1])]).astype(np.int32)
 
 
+def _segment_case(kind, segs, Tq, Tk, seed):
+    """Positions of a ``kind`` shard and segment ids read from one global array at them:
+    ``"unsorted"`` ids in 0..2, else sorted ids with 4 (``"sorted"``), ``S // 5``
+    (``"short"``) or 1 (``"single"``) documents.  ``(qp, kp, q_ids, kv_ids)``."""
+    qp, kp = positions(kind, Tq, Tk)
+    S = int(max(qp.max(), kp.max())) + 1
+    rng = np.random.default_rng(seed)
+    if segs == "unsorted":
+        glob = rng.integers(0, 3, S)
+    else:
+        n = {"sorted": 4, "short": S // 5, "single": 1}[segs]
+        glob = np.zeros(S, int)
+        for c in rng.choice(np.arange(1, S), n - 1, replace=False):
+            glob[c:] += 1
+    return qp, kp, glob[qp], glob[kp]
+
+
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag", "striped", "ring_step"])
 @pytest.mark.parametrize("segs", ["sorted", "short", "unsorted", "single"])
 def test_tile_lists_with_segments_match_brute_force(kind, segs):
@@ -233,17 +250,7 @@ def test_tile_lists_with_segments_match_brute_force(kind, segs):
     visible only tiles whose every pair is visible, for sorted, short and interleaved
     ids; with sorted ids they skip tiles that positions alone would keep."""
     Tq, Tk, bq, bk = 64, 50, 16, 8
-    qp, kp = positions(kind, Tq, Tk)
-    S = int(max(qp.max(), kp.max())) + 1  # a global segment array, read at the positions
-    rng = np.random.default_rng(len(kind) + len(segs))
-    if segs == "unsorted":
-        glob = rng.integers(0, 3, S)
-    else:
-        n = {"sorted": 4, "short": S // 5, "single": 1}[segs]
-        glob = np.zeros(S, int)
-        for c in rng.choice(np.arange(1, S), n - 1, replace=False):
-            glob[c:] += 1
-    qs, ks = glob[qp], glob[kp]
+    qp, kp, qs, ks = _segment_case(kind, segs, Tq, Tk, len(kind) + len(segs))
     mask = MaskSpec(causal=True)
     kp_pad, qs_pad, ks_pad = _padded_blocks(kp, bk), _padded_blocks(qs, bq), \
         _padded_blocks(ks, bk)
@@ -283,17 +290,7 @@ def test_tile_lists_mask_classes_rebuild_the_mask(kind, segs, transpose):
     give exactly the mask of the contract, padded keys included."""
     from jax_seqpar.kernels.pallas_common import MASK_CLASSES
     Tq, Tk, bq, bk = 64, 50, 16, 8
-    qp, kp = positions(kind, Tq, Tk)
-    S = int(max(qp.max(), kp.max())) + 1
-    rng = np.random.default_rng(len(kind) + 7 * len(segs))
-    if segs == "unsorted":
-        glob = rng.integers(0, 3, S)
-    else:
-        glob = np.zeros(S, int)
-        for c in rng.choice(np.arange(1, S), 4 if segs == "sorted" else S // 5,
-                            replace=False):
-            glob[c:] += 1
-    qs, ks = glob[qp], glob[kp]
+    qp, kp, qs, ks = _segment_case(kind, segs, Tq, Tk, len(kind) + 7 * len(segs))
     mask = MaskSpec(causal=True)
     kp_pad, qs_pad, ks_pad = _padded_blocks(kp, bk), _padded_blocks(qs, bq), \
         _padded_blocks(ks, bk)
