@@ -339,19 +339,15 @@ def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, r
     class's entries ``lo .. hi`` with ``mode = (position test?, segment test)`` (see
     ``pallas_common.MASK_CLASSES``), or over all of them with the full test when the
     lists have no classes (segment test ``"pair"``, or None without segment ids).
-    The class starts are the row's last three entries; each is clamped between the one
-    before and ``count``, so the loops visit exactly the entries ``n_full .. count``
-    whatever the row holds (a consumer that visited more tiles than the producer streams
-    would wait for a ring slot forever)."""
-    from jax import lax
+    The class starts are the row's last three entries, which ``tile_lists`` keeps in
+    order between ``n_full`` and ``count`` (a CPU test checks it): a row whose classes
+    covered more entries than ``count`` would make the consumers wait forever for ring
+    slots the producer never fills."""
     from jax_seqpar.kernels.pallas_common import MASK_CLASSES
     if not classes:
         return run(n_full, count, (True, "pair" if has_seg else None), carry)
     n = tbl_ref.shape[-1]
-    bounds = [n_full]
-    for i in range(3):
-        bounds.append(lax.min(lax.max(tbl_ref[b, row, n - 3 + i], bounds[-1]), count))
-    bounds.append(count)
+    bounds = [n_full] + [tbl_ref[b, row, n - 3 + i] for i in range(3)] + [count]
     for i, mode in enumerate(MASK_CLASSES):
         carry = run(bounds[i], bounds[i + 1], mode, carry)
     return carry
