@@ -152,7 +152,8 @@ def device_times(calls, logdir: str) -> list:
     """Run ``calls`` (``(label, fn)`` pairs; each ``fn()`` must block until its work is
     done) in order under one profiler trace and return, per call, ``(label, span_ms,
     busy_ms, kernels)``: the device time from its first kernel's start to its last one's
-    end, the sum of its kernels' durations, and their number.  Host dispatch and the
+    end, the sum of its kernels' durations, and the kernels as ``(name, ms)`` in launch
+    order.  Host dispatch and the
     synchronisation after each call are outside the span, which is what a wall clock
     around one synchronised call adds (about 0.5-1 ms per call on the H200 machine, so
     several percent of a 14 ms call and under 1% of a 110 ms one)."""
@@ -164,11 +165,13 @@ def device_times(calls, logdir: str) -> list:
     out = []
     for (label, _), g in zip(calls, groups):
         start, end = g[0][1], max(s + d for _, s, d in g)
-        out.append((label, (end - start) / 1e3, sum(d for _, _, d in g) / 1e3, len(g)))
+        out.append((label, (end - start) / 1e3, sum(d for _, _, d in g) / 1e3,
+                    [(name, d / 1e3) for name, _, d in g]))
     return out
 
 
-def device_rounds(calls: dict, rounds: int, seed: int = 0, busy: dict = None) -> dict:
+def device_rounds(calls: dict, rounds: int, seed: int = 0, busy: dict = None,
+                  per_kernel: dict = None) -> dict:
     """Median device time (ms) of each ``name: (fn, args)`` over ``rounds`` rounds in a
     fresh order each round (``_util.round_order``), from one profiler trace
     (``device_times``): each call is synchronised, and its time runs from its first
@@ -179,7 +182,12 @@ def device_rounds(calls: dict, rounds: int, seed: int = 0, busy: dict = None) ->
     of a long one; the device time leaves it out of both.  ``{}`` when ``rounds`` is 0 or
     the trace cannot be read (printed).  ``busy``: a dict that receives each call's
     median kernel time (the sum of its kernels' durations), so a span longer than its
-    kernels shows as idle time inside the call."""
+    kernels shows as idle time inside the call.  ``per_kernel``: a dict that receives,
+    per call, its kernels in launch order as ``(name, median ms over the rounds)``: the
+    kernels of two calls compared under the rounds' conditions (a fresh order, the clock
+    the rounds hold), where timing one call's kernels in a row of its own lets the clock
+    differ between the two (a call after an idle round trip starts near the top clock).
+    A call whose rounds launched different numbers of kernels gets ``None``."""
     if not rounds:
         return {}
     import functools
@@ -199,9 +207,16 @@ def device_rounds(calls: dict, rounds: int, seed: int = 0, busy: dict = None) ->
         return {}
     spans = {n: [] for n in names}
     kernel_ms = {n: [] for n in names}
-    for n, span, kernels, _ in got:
+    lists = {n: [] for n in names}
+    for n, span, kernels, each in got:
         spans[n].append(span)
         kernel_ms[n].append(kernels)
+        lists[n].append(each)
     if busy is not None:
         busy.update({n: statistics.median(v) for n, v in kernel_ms.items()})
+    if per_kernel is not None:
+        for n, ls in lists.items():
+            same = len({len(x) for x in ls}) == 1
+            per_kernel[n] = ([(name, statistics.median(x[i][1] for x in ls))
+                              for i, (name, _) in enumerate(ls[0])] if same else None)
     return {n: statistics.median(v) for n, v in spans.items()}

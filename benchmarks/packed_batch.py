@@ -27,7 +27,10 @@ batches them, one document per row, all of one length ``L``:
   tile fully visible, so the kernels run no mask code.  Their values are wrong; their
   times bound what cheaper masks could give.
 * ``--kernels NAME,...``: each named call's kernels one by one, in launch order, the
-  median over ``KERNEL_CALLS`` calls in a row under the profiler.
+  median over the device rounds (every call's list is in the JSON).  Timed in the rounds,
+  the kernels of two calls see the same conditions; timed as a row of calls of their own
+  (this flag's first form), a short call's kernels ran 4-15% faster than in the rounds
+  and two compiles of one kernel read 4% apart (RESULTS.md).
 
 First (``--check``, on by default) the one-device calls it times are checked against the
 float32 reference (``jax_seqpar.reference``) at a small shape, D 64 and 128, budget 2e-2:
@@ -62,15 +65,10 @@ import numpy as np  # noqa: E402
 
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.parallel.choose import segments_from_lengths  # noqa: E402
-from _profile import (device_rounds, group_calls, print_summary,  # noqa: E402
-                      profile_call, profile_timeline)
+from _profile import device_rounds, print_summary, profile_call  # noqa: E402
 from _util import (ClockSampler, env_info, out_dir, rel, round_order,  # noqa: E402
                    save_json)
 from packed import _inputs, lognormal_lengths, packed_ids, useful_pairs  # noqa: E402
-
-
-#: ``--kernels``: calls profiled in a row per function (synchronised one by one)
-KERNEL_CALLS = 5
 
 
 def _ours(mesh, kernel, with_seg, unmasked=False):
@@ -192,8 +190,7 @@ def main(argv=None):
                         "log-normal documents and the batch (Hopper only)")
     p.add_argument("--kernels", default="",
                    help="comma-separated names of timed functions whose kernels are listed "
-                        "one by one, in launch order (the median of KERNEL_CALLS profiled "
-                        "calls each)")
+                        "one by one, in launch order (medians over the device rounds)")
     p.add_argument("--check-dims", default="64,128",
                    help="head dims of the check, comma-separated (a variant such as "
                         "split_dq serves only D >= 128)")
@@ -285,9 +282,9 @@ def main(argv=None):
                 t1 = time.perf_counter()
                 ts[n].append(t1 - t0)
                 spans[n].append((t0, t1))
-    busy = {}
+    busy, per_kernel = {}, {}
     dev = device_rounds({n: (c[0], c[1]) for n, c in calls.items()}, a.device_rounds,
-                        seed=S, busy=busy)
+                        seed=S, busy=busy, per_kernel=per_kernel)
     base = "cudnn one row"
     rows = []
     for n in names:
@@ -321,34 +318,21 @@ def main(argv=None):
                                        f"/tmp/packed_batch_profile_{len(n)}"), n)
         except Exception as e:  # a trace that cannot be read costs the profile only
             print(f"profile {n!r}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-    per_kernel = {}
     for n in filter(None, a.kernels.split(",")):
         if n not in calls:
             print(f"kernels {n!r}: no such function (have {names})", flush=True)
-            continue
-        fn, args, _ = calls[n]
-
-        def calls_in_a_row(fn=fn, args=args):
-            for _ in range(KERNEL_CALLS):
-                jax.block_until_ready(fn(*args))
-        try:
-            groups = group_calls(profile_timeline(
-                calls_in_a_row, f"/tmp/packed_batch_kernels_{len(per_kernel)}"),
-                KERNEL_CALLS)
-        except Exception as e:  # a trace that cannot be read costs the listing only
-            print(f"kernels {n!r}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        # the median over the calls of each kernel's duration, by its place in the call
-        per_kernel[n] = [(name[:80], float(np.median([g[i][2] for g in groups])) / 1e3)
-                         for i, (name, _, _) in enumerate(groups[0])]
-        print(f"kernels {n!r}: " + ", ".join(
-            f"{name[:28]} {dur:.3f}" for name, dur in per_kernel[n] if dur >= 0.02)
-            + f" (ms, launch order, median of {KERNEL_CALLS} calls; those of 20 us or more)",
-            flush=True)
+        elif per_kernel.get(n) is None:
+            print(f"kernels {n!r}: no device rounds, or their kernels differed", flush=True)
+        else:
+            print(f"kernels {n!r}: " + ", ".join(
+                f"{name[:28]} {dur:.3f}" for name, dur in per_kernel[n] if dur >= 0.02)
+                + f" (ms, launch order, medians over {a.device_rounds} device rounds; "
+                "those of 20 us or more)", flush=True)
     path = os.path.join(out_dir(), "packed_batch.json")
     save_json(dict(env=env_info(), seq=S, heads=H, head_dim=D, rounds=a.rounds,
                    device_rounds=a.device_rounds, checked=checked if a.check else None,
-                   rows=rows, kernels=per_kernel), path)
+                   rows=rows, kernels={n: ([(k[:80], ms) for k, ms in v] if v else None)
+                                       for n, v in per_kernel.items()}), path)
     print(f"wrote {path}")
     if not checked:
         raise SystemExit("a check failed (see the 'check' lines above)")

@@ -90,23 +90,28 @@ def test_sustained_and_device_rounds_on_cpu(capsys):
 
 
 def test_device_rounds_report_kernel_time_beside_the_span(monkeypatch):
-    """``device_rounds(busy=...)``: the median span per call and, beside it, the median
-    sum of its kernels' durations (a span longer than its kernels is idle time)."""
+    """``device_rounds(busy=..., per_kernel=...)``: the median span per call and, beside
+    it, the median sum of its kernels' durations (a span longer than its kernels is idle
+    time), and each kernel's median over the rounds by its place in the call (``None``
+    for a call whose rounds launched different kernels)."""
     import _profile
-    fake = {"f": [(3.0, 2.5), (5.0, 2.0), (4.0, 3.0)], "g": [(1.0, 1.0)] * 3}
+    fake = {"f": [(3.0, 2.5, [("a", 1.0), ("b", 1.5)]), (5.0, 2.0, [("a", 0.5), ("b", 1.5)]),
+                  (4.0, 3.0, [("a", 2.0), ("b", 1.0)])],
+            "g": [(1.0, 1.0, [("c", 1.0)])] * 2 + [(1.0, 1.0, [("c", 0.5), ("d", 0.5)])]}
 
     def device_times(seq, logdir):
         seen = {n: 0 for n in fake}
         out = []
         for n, _ in seq:
-            span, kernels = fake[n][seen[n]]
+            out.append((n, *fake[n][seen[n]]))
             seen[n] += 1
-            out.append((n, span, kernels, 7))
         return out
     monkeypatch.setattr(_profile, "device_times", device_times)
-    busy = {}
-    got = _profile.device_rounds({"f": (None, ()), "g": (None, ())}, 3, busy=busy)
+    busy, per = {}, {}
+    got = _profile.device_rounds({"f": (None, ()), "g": (None, ())}, 3, busy=busy,
+                                 per_kernel=per)
     assert got == {"f": 4.0, "g": 1.0} and busy == {"f": 2.5, "g": 1.0}
+    assert per == {"f": [("a", 1.0), ("b", 1.5)], "g": None}
 
 
 def test_clock_sampler_without_nvidia_smi(monkeypatch):

@@ -188,9 +188,11 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
     pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
     segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
-    fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
-                                                        config=cfg), q, kv, kv, *pos, *segs)
-    assert fwd.count("mosaic_gpu") >= 1
+    for fcfg in [cfg] + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else []):
+        fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
+                                                            config=fcfg),
+                       q, kv, kv, *pos, *segs)
+        assert fwd.count("mosaic_gpu") >= 1
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
     lse = SDS((2, 4, Tq), jnp.float32)
@@ -212,6 +214,92 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
             *pos, *segs)
         # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
+
+
+@pytest.mark.parametrize("kw,seg,tile,want", [
+    (dict(mask_classes_fwd=True), True, TILE_GENERAL, [True]),
+    (dict(mask_classes_fwd=True), True, TILE_ALIGNED, [True]),   # masks from indices
+    (dict(mask_classes_fwd=False), True, TILE_GENERAL, [False]),
+    (dict(mask_classes_fwd=True, segment_skip=False), True, TILE_GENERAL, [False]),
+    (dict(mask_classes_fwd=True), False, TILE_GENERAL, [False]),
+    (dict(mask_classes_fwd=True), False, TILE_ALIGNED, [])])      # no lists at all
+def test_forward_lists_carry_mask_classes(kw, seg, tile, want, monkeypatch):
+    """``MgpuConfig.mask_classes_fwd``: the forward gets class-sorted lists with segment
+    ids and ``segment_skip``, on general and aligned tiles alike, and lowers so."""
+    seen = []
+    real = pallas_mgpu.tile_lists
+
+    def spy(*a, **k):
+        seen.append(k.get("classes", False))
+        return real(*a, **k)
+    monkeypatch.setattr(pallas_mgpu, "tile_lists", spy)
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], **kw)
+    T = 512
+    q = SDS((1, T, 2, 128), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    txt = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
+        q, k, v, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg, tile=tile),
+        q, q, q, *pos, *segs)
+    assert seen == want and txt.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("n_full", [0, 2])
+@pytest.mark.parametrize("fold", [False, True])
+def test_softmax_update_folds_rows_of_another_document(n_full, fold):
+    """``softmax_update`` run over key blocks as the forward's loops run them (``n_full``
+    fully visible blocks first, unmasked; then masked ones: a test per pair, or a whole
+    document of keys that some rows cannot see, folded into ``row_ok`` or, without
+    ``fold``, masked per score) gives the masked softmax's output and lse, also for rows
+    that saw nothing in the first blocks (running max still ``-inf``) or at all, and
+    rows whose folded-out keys score far above their own."""
+    rng = np.random.default_rng(n_full)
+    rows, bk, nb, D, scale = 16, 8, 6, 4, 0.3
+    c = scale * np.log2(np.e)
+    s = rng.standard_normal((rows, nb * bk)).astype(np.float32) * 3
+    v = rng.standard_normal((nb * bk, D)).astype(np.float32)
+    kinds = ["full"] * n_full + ["fold", "pair", "fold", "pair", "fold", "fold"][n_full:]
+    vis = rng.random((rows, nb * bk)) < 0.7
+    row_ok = rng.random((nb, rows)) < 0.5
+    late = 0 if n_full else 3  # rows 0-2 see nothing until the last block (row 0 only)
+    for b, kind in enumerate(kinds):
+        blk = slice(b * bk, (b + 1) * bk)
+        if kind == "full":
+            vis[:, blk] = True
+        elif kind == "fold":
+            row_ok[b, :late] = b == nb - 1 and np.arange(late) == 0
+            vis[:, blk] = row_ok[b][:, None]
+            s[~row_ok[b], blk] += 2000.0  # another document's scores, far larger: a
+            # running max that took them would flush the row's own terms to 0
+        else:
+            vis[:late, blk] = False
+    m = jnp.full((rows,), -jnp.inf)
+    l = jnp.zeros((rows,))
+    acc = jnp.zeros((rows, D))
+    for b, kind in enumerate(kinds):
+        blk = slice(b * bk, (b + 1) * bk)
+        sb = jnp.asarray(s[:, blk])
+        folded = kind == "fold" and fold
+        if kind != "full" and not folded:
+            sb = jnp.where(vis[:, blk], sb, -jnp.inf)
+        m, alpha, p = pallas_mgpu.softmax_update(
+            sb, m, c, masked=kind != "full",
+            row_ok=jnp.asarray(row_ok[b]) if folded else None)
+        acc = acc * alpha[:, None] + p @ v[blk]
+        l = l * alpha + p.sum(1)
+    has = vis.any(1)
+    assert not has[1:late].any() and (has[0] if late else True)
+    sm = np.where(vis, s * scale, -np.inf)
+    mx = np.where(has, sm.max(1), 0.0)
+    e = np.exp(sm - mx[:, None])
+    tot = np.where(has, e.sum(1), 1.0)
+    l_ = np.asarray(l)
+    got_o = np.asarray(acc) / np.where(l_ > 0, l_, 1.0)[:, None]
+    np.testing.assert_allclose(got_o, (e @ v) / tot[:, None], rtol=2e-5, atol=2e-6)
+    got_lse = np.where(l_ > 0, np.asarray(m) * np.log(2) + np.log(np.where(l_ > 0, l_, 1)),
+                       -np.inf)
+    np.testing.assert_allclose(got_lse, np.where(has, mx + np.log(tot), -np.inf), rtol=2e-5)
+    assert (l_[~has] == 0).all() and np.isfinite(got_o).all()
 
 
 @pytest.mark.parametrize("kw,seg,want", [

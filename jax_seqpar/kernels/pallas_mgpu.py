@@ -59,19 +59,21 @@ from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported 
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
     SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
-    on_producer_warps, produce_kv, slot_barrier, tile_visible)
+    masked_loops, on_producer_warps, produce_kv, slot_barrier, softmax_update, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
 def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSpec,
               scale: float, Tk: int, masked: bool, config: MgpuConfig,
-              index: Optional[str] = None):
+              index: Optional[str] = None, classes: bool = False):
     """``index`` (``index_kind``): None (the tile lists ``tbl`` in launch ``order`` say
     which key blocks a CTA visits; positions are read), ``"aligned"`` (the lists, but
     masks from the row and column indices, which differ from the positions by one
     offset on an aligned tile), or ``"dense"`` / ``"causal"`` (no lists: every key
     block, or those up to the diagonal with the longest rows launched first, computed
-    from the indices)."""
+    from the indices).  ``classes``: the lists are sorted by mask class
+    (``tile_lists(classes=True)``) and each class runs the mask code it needs
+    (``MgpuConfig.mask_classes_fwd``)."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
 
@@ -155,31 +157,43 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             plgpu.barrier_wait(q_ready.at[wg])
             shape = (bq, bk)
 
-            def mask_inputs(t):
-                """What the t-th tile's mask reads, loaded before its scores exist."""
+            def mask_inputs(t, mode):
+                """What the t-th tile's mask reads, loaded before its scores exist: the
+                key positions (position test), the key ids (segment test per pair) or
+                the one id of the key block (``"fold"``: a test per row)."""
+                pos, seg = mode
                 start = block(t) * bk
-                kvpos = None if by_index else _load(kvpos_ref.at[pl.ds(start, bk)], COL)
-                kvseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if has_seg else None
-                return start, kvpos, kvseg
+                kvpos = (_load(kvpos_ref.at[pl.ds(start, bk)], COL)
+                         if pos and not by_index else None)
+                kvseg = (_load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if seg == "pair"
+                         else None)
+                row_ok = qseg == kvseg_ref[b, start] if seg == "fold" else None
+                return start, kvpos, kvseg, row_ok
 
-            def apply_mask(s, inputs):
-                start, kvpos, kvseg = inputs
+            def apply_mask(s, inputs, mode):
+                start, kvpos, kvseg, _ = inputs
+                pos, seg = mode
                 pad = None
                 col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA) + start
-                if pad_keys:
+                if pad_keys and pos:  # a position-proved tile holds no padded key
                     pad = col < Tk
+                tmask = mask if pos else MaskSpec()
+                pair_seg = qseg if seg == "pair" else None
                 if by_index:  # aligned: positions are indices plus one offset
                     row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) + row0
-                    ok = tile_visible(mask, None, None, qseg, kvseg, 0, shape, extra=pad,
-                                      diff=col - row)
+                    ok = tile_visible(tmask, None, None, pair_seg, kvseg, 0, shape,
+                                      extra=pad, diff=col - row)
                 else:
-                    ok = tile_visible(mask, qpos, kvpos, qseg, kvseg, 0, shape, extra=pad)
+                    ok = tile_visible(tmask, qpos, kvpos, pair_seg, kvseg, 0, shape,
+                                      extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def step(t, carry, masked_tile):
+            def step(t, carry, mode):
+                """One key block; ``mode`` None (fully visible) or the mask tests of
+                ``masked_loops`` (position test?, segment test)."""
                 acc, m, l = carry
                 slot = lax.rem(t, jnp.int32(stages))
-                inputs = mask_inputs(t) if masked_tile else None
+                inputs = mask_inputs(t, mode) if mode is not None else None
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
@@ -187,14 +201,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
                 free_slot("k", k_free, slot)
-                if masked_tile:
-                    s = apply_mask(s, inputs)
-                # scores stay unscaled; the scale (in log2 units) folds into the exp2
-                # argument as one fused multiply-add per element
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked_tile else m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                if mode is not None:
+                    s = apply_mask(s, inputs, mode)
+                m_new, alpha, p = softmax_update(s, m, c, masked=mode is not None,
+                                                 row_ok=None if mode is None else inputs[3])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha
                 p16 = p.astype(dtype)
@@ -236,11 +246,13 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             # consumer 1 starts half a step behind consumer 0
             pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
                              if named else rendezvous)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked_tile=False),
+            carry = lax.fori_loop(0, n_full, functools.partial(step, mode=None),
                                   (acc0, m0, l0))
             if masked:
-                carry = lax.fori_loop(n_full, count,
-                                      functools.partial(step, masked_tile=True), carry)
+                carry = masked_loops(
+                    tbl_ref, b, cta, n_full, count, has_seg, classes,
+                    lambda lo, hi, mode, carry: lax.fori_loop(
+                        lo, hi, functools.partial(step, mode=mode), carry), carry)
             pl.when(wg == 0)(functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
                              if named else rendezvous)
             acc, m, l = carry
@@ -361,13 +373,16 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
     index = index_kind(mask, tile, has_seg, Tq, Tk, config)
     tbl = order = None
+    seg_kw = segment_lists_args(*segs, config.segment_skip)
+    # mask classes need the ids in the lists (segment_skip)
+    classes = bool(seg_kw) and config.mask_classes_fwd and index not in ("dense", "causal")
     if index not in ("dense", "causal"):
-        tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg,
-                         **segment_lists_args(*segs, config.segment_skip))
+        tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg, classes=classes,
+                         **seg_kw)
         order = cta_order(tbl)
     o, lse = _fwd_call(tbl, order, _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
                        _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
-                       Tk=Tk, masked=masked, config=config, index=index)
+                       Tk=Tk, masked=masked, config=config, index=index, classes=classes)
     return o[:, :Tq], lse[..., :Tq]
 
 

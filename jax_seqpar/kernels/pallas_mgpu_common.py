@@ -26,7 +26,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "mask_classes", "mask_classes_dkdv")
+               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,9 @@ class MgpuConfig:
     (log-normal around 4k at 64k tokens) ran the dQ kernel 4.6-5.4% faster with it (three
     runs): its masks cost it 4% of its time instead of 9%.  ``mask_classes_dkdv``: the
     same in the dK/dV kernel, which read 2-4% slower with it, inside that kernel's spread
-    between runs, so off (RESULTS.md).
+    between runs, so off (RESULTS.md).  ``mask_classes_fwd``: the same in the forward,
+    where a folded segment test drops the other document's rows from the tile's online
+    softmax (``softmax_update``'s ``row_ok``) instead of testing each score.
     """
 
     block_q: int = 64
@@ -116,6 +118,7 @@ class MgpuConfig:
     warp_producer_bwd: bool = False
     mask_classes: bool = True
     mask_classes_dkdv: bool = False
+    mask_classes_fwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -332,6 +335,31 @@ def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=Non
     for term in terms:
         ok = term if ok is None else ok & term
     return ok
+
+
+def softmax_update(s, m, c: float, masked: bool = True, row_ok=None):
+    """One key block of the online softmax (FlashAttention-2 Alg. 1, lines 8-10, in log2
+    units): ``(m_new, alpha, p)`` from the block's unscaled scores ``s`` ``[rows, keys]``
+    (``-inf`` where masked), the running max ``m`` (``c``: the scale times log2 e), so
+    that ``acc * alpha + p @ V`` and ``l * alpha + rowsum(p)`` continue the rows.
+
+    ``masked``: some row may have seen only ``-inf`` so far, whose max is replaced by 0
+    while it is ``-inf`` (no ``-inf - -inf``).  ``row_ok`` (a bool per row, or None): rows
+    that are False see none of the block's keys -- a segment test that depends on the
+    query alone (``MASK_CLASSES``' ``"fold"``) -- and keep ``m`` with ``alpha = 1`` and
+    ``p = 0``, at a cost per row, not per score."""
+    from jax import lax
+    m_new = jnp.maximum(m, s.max(axis=1) * c)
+    if row_ok is not None:
+        m_new = jnp.where(row_ok, m_new, m)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_use)
+    if row_ok is not None:
+        m_use = jnp.where(row_ok, m_use, jnp.inf)  # exp2(s - inf) = 0: the row is out
+    # scores stay unscaled; the scale folds into the exp2 argument (one fused
+    # multiply-add per element)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return m_new, alpha, p
 
 
 def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry):
