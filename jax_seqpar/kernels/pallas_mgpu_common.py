@@ -94,9 +94,12 @@ class MgpuConfig:
     (log-normal around 4k at 64k tokens) ran the dQ kernel 4.6-5.4% faster with it (three
     runs): its masks cost it 4% of its time instead of 9%.  ``mask_classes_dkdv``: the
     same in the dK/dV kernel, which read 2-4% slower with it, inside that kernel's spread
-    between runs, so off (RESULTS.md).  ``mask_classes_fwd``: the same in the forward,
-    where a folded segment test drops the other document's rows from the tile's online
-    softmax (``softmax_update``'s ``row_ok``) instead of testing each score.
+    between runs, so off; timed again within the device rounds (each kernel's median over
+    the same rounds) it read 2.3-4.5% slower in two runs more (RESULTS.md).
+    ``mask_classes_fwd``: the same in the forward, where a folded segment test drops the
+    other document's rows from the tile's online softmax (``softmax_update``'s
+    ``row_ok``) instead of testing each score; on one H100 the forward on the bar's
+    documents ran 1.6% and 4.4% faster with it (two runs), level on equal documents.
     """
 
     block_q: int = 64
@@ -118,7 +121,7 @@ class MgpuConfig:
     warp_producer_bwd: bool = False
     mask_classes: bool = True
     mask_classes_dkdv: bool = False
-    mask_classes_fwd: bool = False
+    mask_classes_fwd: bool = True
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
