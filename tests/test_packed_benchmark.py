@@ -151,3 +151,19 @@ def test_packed_batch_dry_run_checks_the_dims_asked(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         packed_batch.main(["--dry-run", "--check-dims", "x"])
     assert "--check-dims" in capsys.readouterr().err
+
+
+def test_power_cap_reads_nvidia_smi_lines():
+    """``power_cap.parse_sample`` reads clock, power, temperature and the reasons
+    bitmask; ``summarize`` gives each reason's share of the samples."""
+    import power_cap
+    assert power_cap.parse_sample("1605, 699.1, 61, 0x0000000000000004") == (
+        1605.0, 699.1, 61.0, 4)
+    assert power_cap.parse_sample("clocks.sm [MHz], power.draw [W]") is None
+    assert power_cap.parse_sample("1605, [N/A], 61, 0x0") is None
+    got = power_cap.summarize([(1600.0, 700.0, 60.0, 0x4), (1800.0, 500.0, 62.0, 0x0),
+                               (1700.0, 690.0, 61.0, 0x4 | 0x20)], calls=30, seconds=2.0)
+    assert got["calls_per_s"] == 15.0 and got["sm_mhz"] == 1700.0
+    assert got["sw_power_cap"] == 2 / 3 and got["sw_thermal"] == 1 / 3
+    assert got["hw_slowdown"] == 0.0
+    assert power_cap.summarize([], 3, 1.0) == dict(calls=3, calls_per_s=3.0, samples=0)
