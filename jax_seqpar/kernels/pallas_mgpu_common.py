@@ -99,7 +99,7 @@ class MgpuConfig:
     ``mask_classes_fwd``: the same in the forward, where a folded segment test drops the
     other document's rows from the tile's online softmax (``softmax_update``'s
     ``row_ok``) instead of testing each score; on one H100 the forward on the bar's
-    documents ran 1.6% and 4.4% faster with it (two runs), level on equal documents.
+    documents ran 1.6-4.4% faster with it (four runs), level on equal documents.
     """
 
     block_q: int = 64
