@@ -153,10 +153,10 @@ def device_times(calls, logdir: str) -> list:
     done) in order under one profiler trace and return, per call, ``(label, span_ms,
     busy_ms, kernels)``: the device time from its first kernel's start to its last one's
     end, the sum of its kernels' durations, and the kernels as ``(name, ms)`` in launch
-    order.  Host dispatch and the
-    synchronisation after each call are outside the span, which is what a wall clock
-    around one synchronised call adds (about 0.5-1 ms per call on the H200 machine, so
-    several percent of a 14 ms call and under 1% of a 110 ms one)."""
+    order.  Host dispatch and the synchronisation after each call are outside the span,
+    which is what a wall clock around one synchronised call adds (about 0.5-1 ms per call
+    on the H200 machine, so several percent of a 14 ms call and under 1% of a 110 ms
+    one)."""
     import jax
     with jax.profiler.trace(logdir, create_perfetto_trace=True):
         for _, fn in calls:

@@ -21,8 +21,11 @@ the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``
   serves every ring step, layout (zigzag, striped), window and packed batch; with segment
   ids the lists also leave out the tiles whose blocks share no document and count the
   tiles inside one document as fully visible (``pallas_common.segment_tiles``, per-block
-  id ranges computed once per call, ``MgpuConfig.segment_skip``): the kernels themselves
-  are unchanged, they run what the lists say;
+  id ranges computed once per call, ``MgpuConfig.segment_skip``), and sort the partially
+  visible ones by the mask code they need (``MgpuConfig.mask_classes_fwd``): where a key
+  block lies in one document the segment test is one comparison per row, folded into
+  the online softmax (``softmax_update``), and where positions prove a tile there is no
+  position test;
 * CTAs are launched **most tiles first** (a permutation of the query blocks by their
   tile count), so under a causal mask the last wave is short rows, not long ones;
 * on tiles the caller states dense or aligned (``base.TILE_DENSE`` / ``TILE_ALIGNED``)
@@ -374,8 +377,8 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
     index = index_kind(mask, tile, has_seg, Tq, Tk, config)
     tbl = order = None
     seg_kw = segment_lists_args(*segs, config.segment_skip)
-    # mask classes need the ids in the lists (segment_skip)
-    classes = bool(seg_kw) and config.mask_classes_fwd and index not in ("dense", "causal")
+    # mask classes need the ids in the lists (segment_skip); with ids there are lists
+    classes = bool(seg_kw) and config.mask_classes_fwd
     if index not in ("dense", "causal"):
         tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg, classes=classes,
                          **seg_kw)

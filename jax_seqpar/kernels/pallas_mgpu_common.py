@@ -349,8 +349,9 @@ def softmax_update(s, m, c: float, masked: bool = True, row_ok=None):
     ``masked``: some row may have seen only ``-inf`` so far, whose max is replaced by 0
     while it is ``-inf`` (no ``-inf - -inf``).  ``row_ok`` (a bool per row, or None): rows
     that are False see none of the block's keys -- a segment test that depends on the
-    query alone (``MASK_CLASSES``' ``"fold"``) -- and keep ``m`` with ``alpha = 1`` and
-    ``p = 0``, at a cost per row, not per score."""
+    query alone (``MASK_CLASSES``' ``"fold"``) -- and keep their ``m``, with ``p = 0``
+    and ``alpha = 1`` (0 while ``m`` is ``-inf``, when their sums are still 0), at a cost
+    per row, not per score."""
     from jax import lax
     m_new = jnp.maximum(m, s.max(axis=1) * c)
     if row_ok is not None:
