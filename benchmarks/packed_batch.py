@@ -29,7 +29,7 @@ batches them, one document per row, all of one length ``L``:
 * ``--kernels NAME,...``: each named call's kernels one by one, in launch order, the
   median over the device rounds (every call's list is in the JSON).  Timed in the rounds,
   the kernels of two calls see the same conditions; timed as a row of calls of their own
-  (this flag's first form), a 13 ms call's kernels ran 5-11% faster than in the rounds, a
+  (this flag's first form), a 13 ms call's kernels ran 5-12% faster than in the rounds, a
   110 ms call's 4%, and two compiles of one kernel read 4% apart (RESULTS.md).
 
 First (``--check``, on by default) the one-device calls it times are checked against the
