@@ -7,7 +7,10 @@ samples, every ``--period-ms`` through ``nvidia-smi``, the SM clock, board power
 temperature and the clock's active limit reasons (the bitmask
 ``clocks_throttle_reasons.active``: software power cap, hardware slowdown, thermal
 slowdowns), then prints per function the calls per second, the mean clock and power,
-and the share of samples in which each reason was active.
+and the share of samples in which each reason was active.  Functions: cuDNN on one
+unpacked row (the bar's denominator), the packed call on log-normal documents (the
+bar's case) and, on Hopper, ``pallas_mgpu`` on the same row and both on a batch of
+equal rows as long as the mean document.
 
     python benchmarks/power_cap.py                 # one H100/H200, about a minute
     python benchmarks/power_cap.py --dry-run       # CPU: no nvidia-smi, says so
@@ -110,9 +113,15 @@ def main(argv=None):
     one = _inputs(0, 1, S, S, H, H, D, dtype)
     L = S // 16
     seg = jnp.asarray(packed_ids(lognormal_lengths(L, S, seed=S + L), S)[None])
+    batch = _inputs(L, S // L, L, L, H, H, D, dtype)
     calls = {"cudnn one row" if on_gpu else "xla one row":
              ((_cudnn() if on_gpu else _ours(mesh, kernel, False)), (*one, None)),
              f"packed lognormal L{L}": (_ours(mesh, kernel, True), (*one, seg))}
+    from jax_seqpar.kernels.pallas_mgpu import is_hopper
+    if on_gpu and is_hopper():  # the Hopper kernel on the same work, and short rows
+        calls["mgpu one row"] = (_ours(mesh, "pallas_mgpu", False), (*one, None))
+        calls[f"batch cudnn L{L}"] = (_cudnn(), (*batch, None))
+        calls[f"batch mgpu L{L}"] = (_ours(mesh, "pallas_mgpu", False), (*batch, None))
     if shutil.which("nvidia-smi") is None:
         print("no nvidia-smi here: calls per second only", flush=True)
     rows = {}
