@@ -216,6 +216,23 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
         assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
 
 
+def _spy_on_lists(module, monkeypatch, kw, seg: bool):
+    """Record the ``classes=`` of every ``tile_lists`` call ``module`` makes; returns
+    ``(seen, config, T, q, positions, segment ids)`` for a D 128 causal call of 512
+    tokens, the default config with ``kw`` replaced, segment ids if ``seg``."""
+    seen = []
+    real = module.tile_lists
+
+    def spy(*a, **k):
+        seen.append(k.get("classes", False))
+        return real(*a, **k)
+    monkeypatch.setattr(module, "tile_lists", spy)
+    T = 512
+    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    return (seen, dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], **kw), T,
+            SDS((1, T, 2, 128), BF16), [SDS((T,), jnp.int32)] * 2, segs)
+
+
 @pytest.mark.parametrize("kw,seg,tile,want", [
     (dict(mask_classes_fwd=True), True, TILE_GENERAL, [True]),
     (dict(mask_classes_fwd=True), True, TILE_ALIGNED, [True]),   # masks from indices
@@ -226,18 +243,7 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
 def test_forward_lists_carry_mask_classes(kw, seg, tile, want, monkeypatch):
     """``MgpuConfig.mask_classes_fwd``: the forward gets class-sorted lists with segment
     ids and ``segment_skip``, on general and aligned tiles alike, and lowers so."""
-    seen = []
-    real = pallas_mgpu.tile_lists
-
-    def spy(*a, **k):
-        seen.append(k.get("classes", False))
-        return real(*a, **k)
-    monkeypatch.setattr(pallas_mgpu, "tile_lists", spy)
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], **kw)
-    T = 512
-    q = SDS((1, T, 2, 128), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu, monkeypatch, kw, seg)
     txt = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
         q, k, v, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg, tile=tile),
         q, q, q, *pos, *segs)
@@ -314,18 +320,7 @@ def test_backward_lists_carry_mask_classes(kw, seg, want, monkeypatch):
     class-sorted lists (three more entries per row) with segment ids and
     ``segment_skip``; the atomic-dQ kernel, which does not read classes, plain ones."""
     from jax_seqpar.kernels import pallas_mgpu_bwd
-    seen = []
-    real = pallas_mgpu_bwd.tile_lists
-
-    def spy(*a, **k):
-        seen.append(k.get("classes", False))
-        return real(*a, **k)
-    monkeypatch.setattr(pallas_mgpu_bwd, "tile_lists", spy)
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], **kw)
-    T = 512
-    q = SDS((1, T, 2, 128), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu_bwd, monkeypatch, kw, seg)
     _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
         q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg),
         q, q, q, q, SDS((1, 2, T), jnp.float32), q, *pos, *segs)
