@@ -52,6 +52,7 @@ def _request(**kw):
     (dict(named_sched=None), "must be a bool"),
     (dict(named_free="yes"), "must be a bool"),
     (dict(split_dq=True), "needs atomic_dq=True"),
+    (dict(atomic_dq=True, row_scores=True), "needs atomic_dq=True and split_dq=True"),
     (dict(dv_with_dp=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
@@ -82,15 +83,19 @@ def test_atomic_dq_shared_memory(D):
     split = dataclasses.replace(one, split_dq=True)
     extra = 2 * 2 * 64 * 64 * 2 + 2 * 64 * (D // 2) * 4
     assert backward_smem_bytes(split, D, "bfloat16") == kv_ring + extra <= SMEM_LIMIT
+    rows = dataclasses.replace(split, row_scores=True)  # and each consumer's P block
+    extra += 2 * 64 * 64 * 2
+    assert backward_smem_bytes(rows, D, "bfloat16") == kv_ring + extra <= SMEM_LIMIT
 
 
-def test_split_dq_needs_head_dim_128():
-    cfg = MgpuConfig(atomic_dq=True, split_dq=True)
+@pytest.mark.parametrize("kw,name", [(dict(), "split_dq"), (dict(row_scores=True), "row_scores")])
+def test_split_dq_needs_head_dim_128(kw, name):
+    cfg = MgpuConfig(atomic_dq=True, split_dq=True, **kw)
     pos = jnp.arange(256)
 
     def bwd(q, lse):
         return mgpu_bwd(q, q, q, q, lse, q, pos, pos, MaskSpec(causal=True), 0.1, config=cfg)
-    with pytest.raises(ValueError, match="split_dq needs a head dim of 128"):
+    with pytest.raises(ValueError, match=f"{name} needs a head dim of 128"):
         _lowered(bwd, SDS((1, 256, 2, 64), BF16), SDS((1, 2, 256), jnp.float32))
 
 
@@ -205,7 +210,10 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
                      mask_classes_dkdv=True),
                 dict(atomic_dq=True, warp_producer_bwd=True)] + (
-        [dict(atomic_dq=True, split_dq=True)] if D >= 128 else [])
+        [dict(atomic_dq=True, split_dq=True),
+         dict(atomic_dq=True, split_dq=True, row_scores=True),
+         dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False)]
+        if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)
@@ -314,11 +322,15 @@ def test_softmax_update_folds_rows_of_another_document(n_full, fold):
     (dict(mask_classes=False, mask_classes_dkdv=True), True, [True, False]),
     (dict(segment_skip=False, mask_classes_dkdv=True), True, [False, False]),
     (dict(mask_classes_dkdv=True), False, [False, False]),
-    (dict(atomic_dq=True, mask_classes_dkdv=True), True, [False])])
+    (dict(atomic_dq=True, mask_classes_dkdv=True), True, [False]),
+    (dict(atomic_dq=True, split_dq=True, row_scores=True), True, [True]),
+    (dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False), True, [False]),
+    (dict(atomic_dq=True, split_dq=True, row_scores=True), False, [False])])
 def test_backward_lists_carry_mask_classes(kw, seg, want, monkeypatch):
     """``MgpuConfig.mask_classes`` / ``mask_classes_dkdv``: the dQ / dK/dV kernel gets
     class-sorted lists (three more entries per row) with segment ids and
-    ``segment_skip``; the atomic-dQ kernel, which does not read classes, plain ones."""
+    ``segment_skip``; the atomic-dQ kernel, which does not read classes, plain ones;
+    the fused kernel with scores by row (``row_scores``) as the dQ kernel's."""
     from jax_seqpar.kernels import pallas_mgpu_bwd
     seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu_bwd, monkeypatch, kw, seg)
     _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(

@@ -25,6 +25,8 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   share their dS^T blocks (a barrier per step) and each adds dS K for half of dQ's
   columns over all the CTA's keys: half the accumulator registers and half the
   reduce-adds, FlashAttention-3's split for D = 128.
+  ``row_scores`` runs the same fused, split backward with scores by query row
+  (``pallas_mgpu_fused``): lse and delta per row, P and dS through shared memory.
 
 * With ``MgpuConfig.overlap_bwd`` (the default at D = 128) each consumer of the two
   kernels issues its two score-sized products together and waits for the first alone
@@ -60,7 +62,8 @@ from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_l
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    cta_order, masked_loops,
                                                    on_producer_warps, produce_kv,
-                                                   tile_visible)
+                                                   produce_q_ring, tile_visible)
+from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -302,28 +305,10 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             plgpu.wait_smem_to_gmem(0)
 
         def produce():
-            @pl.loop(0, g * count)
-            def _(j):
-                slot = lax.rem(j, jnp.int32(stages))
-                hh = lax.div(j, count)
-                t = j - hh * count
-                qh = kvh * g + hh
-                start = tbl_ref[b, blk, t + 2] * bq
-                rows = (b, pl.ds(start, bq), qh)
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(q_free.at[slot])
-                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, qh, pl.ds(start, bq)],
-                                        lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(dl_ref.at[b, qh, pl.ds(start, bq)],
-                                        dl_smem.at[slot], dl_ready.at[slot])
-
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(do_free.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages,
+                           (q_ref, do_ref, lse_ref, dl_ref),
+                           (q_smem, do_smem, lse_smem, dl_smem),
+                           (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
 
         @pl.when(wg == 2)
         def _producer():
@@ -583,6 +568,16 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     # steps do not take them
     classes = bool(seg_kw) and config.mask_classes and not config.atomic_dq
     classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
+    if config.row_scores:  # fused, scores by row: classes as the dQ kernel's
+        classes = bool(seg_kw) and config.mask_classes
+        tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
+                           classes=classes, **seg_kw)
+        dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
+        dk, dv = fused_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
+                            kv_pos, *segs, dq_acc, mask=mask, scale=scale,
+                            masked=pos_masked, config=config, classes=classes)
+        dq = dq_acc[...][:, :Tq] * scale
+        return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
                        classes=classes_dkdv, **seg_kw)
     if config.atomic_dq:

@@ -26,7 +26,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd")
+               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +100,10 @@ class MgpuConfig:
     other document's rows from the tile's online softmax (``softmax_update``'s
     ``row_ok``) instead of testing each score; on one H100 the forward on the bar's
     documents ran 1.6-4.4% faster with it (four runs), level on equal documents.
+    ``row_scores`` (with ``atomic_dq`` and ``split_dq``): the fused backward computes
+    ``S = Q K^T`` with queries as rows, passing ``P`` and ``dS`` to the dV and dK
+    products through shared memory (``pallas_mgpu_fused``), FlashAttention-3's layout for
+    D 128 with a causal mask, instead of ``S^T`` with lse and delta as column vectors.
     """
 
     block_q: int = 64
@@ -122,6 +126,7 @@ class MgpuConfig:
     mask_classes: bool = True
     mask_classes_dkdv: bool = False
     mask_classes_fwd: bool = True
+    row_scores: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -130,6 +135,9 @@ class MgpuConfig:
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
+        if self.row_scores and not self.split_dq:
+            raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
+                             "split_dq=True (it is a layout of the fused, split backward)")
         for f in dataclasses.fields(self):
             if f.name in BOOL_FIELDS:
                 continue
@@ -191,7 +199,7 @@ def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     """Shared memory of the larger backward CTA: dK/dV (the K and V of its two consumers,
     the Q, dO, lse and delta rings; with ``atomic_dq`` also each consumer's dS tile and
-    float32 dQ block) or dQ (two Q and dO blocks, the K and V rings)."""
+    float32 dQ block; with ``row_scores`` also its P) or dQ (two Q and dO blocks, the K and V rings)."""
     item = jnp.dtype(dtype).itemsize
     kv = 2 * 2 * config.block_kv_bwd * head_dim * item
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
@@ -200,6 +208,8 @@ def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
         if config.split_dq:  # dS^T of both consumers, double-buffered; dQ half-blocks
             ds_dq = 2 * 2 * config.block_kv_bwd * config.block_q_bwd * item \
                 + 2 * config.block_q_bwd * head_dim // 2 * 4
+        if config.row_scores:  # and each consumer's P
+            ds_dq += 2 * config.block_kv_bwd * config.block_q_bwd * item
         return kv + ring + ds_dq
     dq = (2 * 2 * config.block_q_bwd + 2 * config.num_stages_bwd * config.block_kv_dq) \
         * head_dim * item
@@ -425,3 +435,43 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
         pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+
+def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
+    """The producer of a key-stationary backward kernel (dK/dV, the fused one): for each
+    of the ``g`` query heads of the GQA group and each of the CTA's ``count`` query
+    blocks (the t-th is entry ``t`` of tile-list row ``blk``), the blocks of Q and dO and
+    the rows of lse and delta into a ring of ``stages`` slots, each slot's Q (with lse and
+    delta) and dO refilled once the consumers have freed it.  ``refs``, ``smem`` and
+    ``ready``: (Q, dO, lse, delta) in global memory, their rings and "landed" barriers;
+    ``free``: the (Q, dO) slots' "read" barriers."""
+    import jax.experimental.pallas as pl
+    from jax import lax
+    plgpu = _plgpu()
+    q_ref, do_ref, lse_ref, dl_ref = refs
+    q_smem, do_smem, lse_smem, dl_smem = smem
+    q_ready, do_ready, lse_ready, dl_ready = ready
+    q_free, do_free = free
+
+    @pl.loop(0, g * count)
+    def _(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        hh = lax.div(j, count)
+        t = j - hh * count
+        qh = kvh * g + hh
+        start = tbl_ref[b, blk, t + 2] * bq
+        rows = (b, pl.ds(start, bq), qh)
+
+        @pl.when(j >= stages)
+        def _():
+            plgpu.barrier_wait(q_free.at[slot])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, qh, pl.ds(start, bq)],
+                                lse_smem.at[slot], lse_ready.at[slot])
+        plgpu.copy_gmem_to_smem(dl_ref.at[b, qh, pl.ds(start, bq)],
+                                dl_smem.at[slot], dl_ready.at[slot])
+
+        @pl.when(j >= stages)
+        def _():
+            plgpu.barrier_wait(do_free.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])

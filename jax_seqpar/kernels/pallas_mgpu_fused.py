@@ -1,0 +1,243 @@
+"""The fused Hopper backward with scores by query row (``MgpuConfig.row_scores``).
+
+One kernel for dK, dV and dQ, FlashAttention-3's backward in the layout its D 128 causal
+configuration takes (Shah et al., 2024, §3.3 and Appendix B.2; its ``SdP_swapAB``
+false): with the given ``lse`` and ``delta = rowsum(dO * O)`` (BurstEngine Eq. 7-8)::
+
+    S = Q K^T,  P = exp(S - lse),  dP = dO V^T,  dS = P * (dP - delta)
+    dV += P^T dO,  dK += dS^T Q  (this CTA's keys),  dQ += dS K  (reduce-added)
+
+One CTA per (block of ``2 * block_kv_bwd`` keys, key/value head, batch row), as
+``pallas_mgpu_bwd._dkdv_call``: two consumer warpgroups keep ``block_kv_bwd`` keys each,
+with dK and dV in registers, while a producer streams Q, dO, lse and delta of the
+CTA's tile-list row (``produce_q_ring``).  What differs from that kernel's transposed
+step (``S^T = K Q^T``):
+
+* The scores are ``[queries, keys]``, so lse and delta are per row: two values a
+  thread, where the transposed layout holds sixteen of each (a column vector of the
+  wgmma accumulator).  The segment test of a tile whose keys are one document folds
+  into the row's lse (``MASK_CLASSES``' ``"fold"``: ``+inf`` for another document's
+  queries), as the dQ kernel's does.
+* ``P`` and ``dS`` go to shared memory in the input dtype, and ``dV += P^T dO`` and
+  ``dK += dS^T Q`` read them transposed from there, so neither stays in registers as a
+  wgmma operand.
+* dQ is split between the consumers as in ``split_dq``: once both have stored their
+  ``dS`` (a barrier per step, double-buffered by step parity), each multiplies the
+  whole ``[queries, 2 * block_kv_bwd]`` dS by half of K's columns and adds that half of
+  the dQ block into a zeroed float32 dQ in global memory with a TMA reduce-add.
+
+Step order: ``S`` and ``dP`` issued together; ``P`` formed while ``dP`` runs, stored;
+``dV`` issued; ``dS`` formed while ``dV`` runs, stored; the barrier; ``dK`` and the dQ
+half issued together.  The summation order of dQ varies from run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_seqpar.runtime._compat import kernel_io
+from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
+                                                   masked_loops, on_producer_warps,
+                                                   produce_q_ring, tile_visible)
+from jax_seqpar.masks import MaskSpec
+
+
+def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
+               *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
+               classes: bool = False):
+    """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
+    float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
+    _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
+    ``classes``."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    B, Lq, Hq, D = q.shape
+    Lk, Hkv = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    dtype = q.dtype
+    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
+    if D < 128:
+        raise ValueError(f"MgpuConfig.row_scores needs a head dim of 128 or more (half of "
+                         f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
+    has_seg = q_seg is not None
+    half = D // 2
+    c = scale * LOG2E
+    ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
+                       plgpu.Layout.WGMMA)
+
+    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
+               kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
+            = scoped
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("heads")
+        blk = order_ref[b, lax.axis_index("kv_seq")]
+        wg = lax.axis_index("wg")
+        count = tbl_ref[b, blk, 0]
+        n_full = tbl_ref[b, blk, 1] if masked else count
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(240, action="increase")
+            row0 = blk * (2 * bk) + wg * bk
+            kw, vw = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+            if masked:
+                kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
+                kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
+
+            def row_lse(lse, start, mode):
+                """lse, or (the CTA's keys are one document) +inf for the queries of
+                another document, so that their P is 0."""
+                if mode is None or mode[1] != "fold":
+                    return lse
+                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW)
+                return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
+
+            def visible(start, mode):
+                """The tile's mask (None: all visible) from the tests ``mode`` names."""
+                if mode is None:
+                    return None
+                pos, seg = mode
+                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], ROW) if pos else None
+                pair = seg == "pair"
+                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
+                return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
+                                    qseg, kseg if pair else None, 0, (bq, bk))
+
+            def step(t, carry, hh, mode):
+                dk, dv = carry
+                j = hh * count + t
+                slot = lax.rem(j, jnp.int32(stages))
+                par = lax.rem(j, jnp.int32(2))
+                start = tbl_ref[b, blk, t + 2] * bq
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
+
+                def front(refs):
+                    dv_ref, s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
+                    plgpu.barrier_wait(lse_ready.at[slot])
+                    lse = row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # S done
+                    ok = visible(start, mode)
+                    if ok is not None:
+                        s = jnp.where(ok, s, -jnp.inf)
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    p_smem.at[wg][...] = p.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(dv_ref, p_smem.at[wg].transpose((1, 0)), do_smem.at[slot])
+                    plgpu.barrier_wait(dl_ready.at[slot])
+                    dl = _load(dl_smem.at[slot], ROW, gmem=False)
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP done
+                    ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
+                    ds_smem.at[par, wg][...] = ds.astype(dtype)
+                    plgpu.commit_smem()
+                dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
+                                                plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(do_free.at[slot])
+                # both consumers' dS are stored: each multiplies all 2 * bk keys' dS by
+                # half of K's columns
+                plgpu.barrier_arrive(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[par])
+                cols = pl.ds(pl.multiple_of(wg * half, half), half)
+                zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
+
+                def back(refs):
+                    dk_ref_, dq_ref_ = refs
+                    plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
+                                q_smem.at[slot])
+                    for w in range(2):
+                        plgpu.wgmma(dq_ref_, ds_smem.at[par, w], k_smem.at[w, :, cols])
+                dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+                plgpu.barrier_arrive(q_free.at[slot])
+                # the previous step's reduce-add must have read the block before it is
+                # rewritten
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                dqw = dq_smem.at[wg]
+                dqw[...] = dq
+                plgpu.commit_smem()
+                dst = dq_ref.at[b, pl.ds(start, bq), kvh * g + hh]
+                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
+                return dk, dv
+
+            def head(hh, carry):
+                carry = lax.fori_loop(0, n_full, functools.partial(
+                    step, hh=hh, mode=None), carry)
+                if masked:
+                    carry = masked_loops(
+                        tbl_ref, b, blk, n_full, count, has_seg, classes,
+                        lambda lo, hi, mode, carry: lax.fori_loop(
+                            lo, hi, functools.partial(step, hh=hh, mode=mode), carry),
+                        carry)
+                return carry
+            zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
+            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            # The other consumer's last dQ product reads this one's K block: one more
+            # round of ds_ready (which nobody else waits for) before K becomes dK.
+            nxt = lax.rem(g * count, jnp.int32(2))
+
+            @pl.when(count > 0)
+            def _():
+                plgpu.barrier_arrive(ds_ready.at[nxt])
+                plgpu.barrier_wait(ds_ready.at[nxt])
+            kw[...] = (dk * scale).astype(dtype)
+            vw[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kw, dk_ref.at[b, pl.ds(row0, bk), kvh])
+            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(24, action="decrease")
+            on_producer_warps(config.warp_producer_bwd, lambda: produce_q_ring(
+                tbl_ref, b, blk, count, g, kvh, bq, stages,
+                (q_ref, do_ref, lse_ref, dl_ref), (q_smem, do_smem, lse_smem, dl_smem),
+                (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free)))
+
+    n_in = 10 + 2 * has_seg
+
+    def entry(*refs):
+        ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
+        dq_ref = refs[n_in]
+        dk_ref, dv_ref = refs[-2:]
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+                plgpu.SMEM((stages, bq), F32),
+                plgpu.SMEM((stages, bq), F32),
+                plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
+                plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
+                plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
+        pl.run_scoped(
+            lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (sm, ready, fr)),
+            smem,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=2)),
+            collective_axes="wg",
+        )
+
+    args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
+        [q_seg, kv_seg] if has_seg else [])
+    args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
+    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
+                num_threads=3, thread_name="wg")
+    # dQ is a mutable Ref, read and written in place (as in ``_dkdv_call``)
+    return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
+                     compiler_params=plgpu.CompilerParams(approx_math=True))(*args, dq_acc)
