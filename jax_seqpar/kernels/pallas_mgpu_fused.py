@@ -26,9 +26,11 @@ step (``S^T = K Q^T``):
   whole ``[queries, 2 * block_kv_bwd]`` dS by half of K's columns and adds that half of
   the dQ block into a zeroed float32 dQ in global memory with a TMA reduce-add.
 
-Step order: ``S`` and ``dP`` issued together; ``P`` formed while ``dP`` runs, stored;
-``dV`` issued; ``dS`` formed while ``dV`` runs, stored; the barrier; ``dK`` and the dQ
-half issued together.  The summation order of dQ varies from run to run.
+Step order, with ``MgpuConfig.dv_with_dp`` (FlashAttention-3's): ``S`` alone; ``P``
+formed and stored; ``dP`` and ``dV`` issued together, ``dS`` formed while ``dV`` runs,
+stored; the barrier; ``dK`` and the dQ half issued together.  Without it ``S`` and
+``dP`` are issued together and ``P`` is formed while ``dP`` runs.  The summation order
+of dQ varies from run to run.
 """
 
 from __future__ import annotations
@@ -121,28 +123,51 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(do_ready.at[slot])
                 zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
 
-                def front(refs):
-                    dv_ref, s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
-                    plgpu.barrier_wait(lse_ready.at[slot])
-                    lse = row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # S done
+                def probs(s_ref, lse, wait_n):
+                    """P of the tile once ``S`` is done (``wait_n`` products may still
+                    run), stored for the dV product."""
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_n)
                     ok = visible(start, mode)
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
                     p_smem.at[wg][...] = p.astype(dtype)
                     plgpu.commit_smem()
+                    return p
+
+                def grads(p, dv_ref, dp_ref):
+                    """dV issued; dS formed (while dV runs) and stored."""
                     plgpu.wgmma(dv_ref, p_smem.at[wg].transpose((1, 0)), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], ROW, gmem=False)
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP done
-                    ds = p * (dp - lax.broadcast_in_dim(dl, s.shape, [0]))
+                    ds = p * (dp - lax.broadcast_in_dim(dl, p.shape, [0]))
                     ds_smem.at[par, wg][...] = ds.astype(dtype)
                     plgpu.commit_smem()
-                dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
-                                                plgpu.ACC.init(zeros)))
+
+                def lse_row():
+                    plgpu.barrier_wait(lse_ready.at[slot])
+                    return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
+
+                if config.dv_with_dp:  # S alone, then dP and dV together
+                    def s_fn(s_ref):
+                        plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
+                        return probs(s_ref, lse_row(), 0)
+                    p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
+
+                    def front(refs):
+                        dv_ref, dp_ref = refs
+                        plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
+                        grads(p, dv_ref, dp_ref)
+                    dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                else:  # S and dP together, P formed while dP runs
+                    def front(refs):
+                        dv_ref, s_ref, dp_ref = refs
+                        plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
+                        plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
+                        grads(probs(s_ref, lse_row(), 1), dv_ref, dp_ref)  # dP runs on
+                    dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
+                                                    plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(do_free.at[slot])
                 # both consumers' dS are stored: each multiplies all 2 * bk keys' dS by
                 # half of K's columns
