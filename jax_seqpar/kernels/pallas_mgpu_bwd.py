@@ -62,7 +62,7 @@ from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_l
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    cta_order, masked_loops,
                                                    on_producer_warps, produce_kv,
-                                                   produce_q_ring, tile_visible)
+                                                   produce_q_ring, step_index, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -115,6 +115,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
+            def own(t):
+                """This consumer's K and V blocks, indexed in step ``t``."""
+                w = step_index(wg, tbl_ref[b, blk, t + 2], config.step_descriptors)
+                return k_smem.at[w], v_smem.at[w]
+
             def mask_scores(s, t, mode):
                 """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``: the tests
                 ``mode`` (``masked_loops``) names, none for an unmasked tile."""
@@ -151,8 +156,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 def body(refs):
                     dv_ref, dk_ref, s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, kw, q_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
+                    kt, vt = own(t)
+                    plgpu.wgmma(s_ref, kt, q_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, vt, do_smem.at[slot].transpose((1, 0)))
                     plgpu.barrier_wait(lse_ready.at[slot])
                     lse = _load(lse_smem.at[slot], COL, gmem=False)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
@@ -178,7 +184,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def st(acc_ref):
-                    plgpu.wgmma(acc_ref, kw, q_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, own(t)[0], q_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
                 plgpu.barrier_wait(lse_ready.at[slot])
@@ -199,7 +205,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 def body(refs):
                     dv_ref, dk_ref, dp_ref = refs
-                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], COL, gmem=False)
@@ -225,7 +231,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 def dv_dp(refs):
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dp_ref, vw, do_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
                 zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
                 dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(do_free.at[slot])
@@ -406,6 +412,11 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
             plgpu.barrier_wait(q_ready.at[wg])
 
+            def own(t):
+                """This consumer's Q and dO blocks, indexed in step ``t``."""
+                w = step_index(wg, tbl_ref[b, cta, t + 2], config.step_descriptors)
+                return q_smem.at[w], do_smem.at[w]
+
             def row_lse(t, mode):
                 """lse, or (segment test folded: the key block is one document) +inf
                 for the queries of another document, so that their P is 0."""
@@ -422,10 +433,11 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
 
                 def body(refs):
                     dq_ref_, s_ref, dp_ref = refs
+                    qt, dot = own(t)
                     plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.wgmma(s_ref, qw, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, qt, k_smem.at[slot].transpose((1, 0)))
                     plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(dp_ref, dow, v_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, dot, v_smem.at[slot].transpose((1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S done
                     ok = visible(t, mode)
                     if ok is not None:
@@ -466,7 +478,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def s_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, qw, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, own(t)[0], k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 s = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
                 ok = visible(t, mode)
@@ -476,7 +488,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, dow, v_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, own(t)[1], v_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
                 dp = pl.run_scoped(dp_fn, plgpu.ACC((bq, bk), F32))
                 plgpu.barrier_arrive(v_free.at[slot])

@@ -26,7 +26,8 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores")
+               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
+               "step_descriptors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,11 @@ class MgpuConfig:
     ``S = Q K^T`` with queries as rows, passing ``P`` and ``dS`` to the dV and dK
     products through shared memory (``pallas_mgpu_fused``), FlashAttention-3's layout for
     D 128 with a causal mask, instead of ``S^T`` with lse and delta as column vectors.
+    ``step_descriptors`` (the backward's kernels): a consumer's own blocks (K and V in
+    the dK/dV and fused kernels, Q and dO in the dQ kernel) are indexed in each step
+    through ``step_index``, so that the wgmma descriptors of those operands are formed
+    in the step instead of hoisted out of the loop, where ptxas keeps them in registers
+    or spills them (the fused kernels' spills were such descriptors).
     """
 
     block_q: int = 64
@@ -127,6 +133,7 @@ class MgpuConfig:
     mask_classes_dkdv: bool = False
     mask_classes_fwd: bool = True
     row_scores: bool = False
+    step_descriptors: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -374,6 +381,16 @@ def softmax_update(s, m, c: float, masked: bool = True, row_ok=None):
     # multiply-add per element)
     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
     return m_new, alpha, p
+
+
+def step_index(index, token, enabled: bool = True):
+    """``index`` (a consumer's own block in a shared-memory array), as a value the
+    compiler cannot prove the same in every step when ``enabled``: ``token`` is loaded in
+    the step and never negative (a tile-list entry), so ``where(token >= 0, index, 0)``
+    is ``index``.  The wgmma descriptors of a ref indexed so are formed in the step
+    (uniform-register arithmetic) rather than hoisted out of the loop and kept, or
+    spilled, in registers (``MgpuConfig.step_descriptors``)."""
+    return jnp.where(token >= 0, index, 0) if enabled else index
 
 
 def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry):

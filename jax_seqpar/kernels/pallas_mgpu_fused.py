@@ -43,7 +43,8 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    masked_loops, on_producer_warps,
-                                                   produce_q_ring, tile_visible)
+                                                   produce_q_ring, step_index,
+                                                   tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 
@@ -119,6 +120,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 slot = lax.rem(j, jnp.int32(stages))
                 par = lax.rem(j, jnp.int32(2))
                 start = tbl_ref[b, blk, t + 2] * bq
+                w_own = step_index(wg, start, config.step_descriptors)
+                kt, vt = k_smem.at[w_own], v_smem.at[w_own]
+                pt = p_smem.at[w_own]
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
@@ -131,13 +135,13 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     if ok is not None:
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
-                    p_smem.at[wg][...] = p.astype(dtype)
+                    pt[...] = p.astype(dtype)
                     plgpu.commit_smem()
                     return p
 
                 def grads(p, dv_ref, dp_ref):
                     """dV issued; dS formed (while dV runs) and stored."""
-                    plgpu.wgmma(dv_ref, p_smem.at[wg].transpose((1, 0)), do_smem.at[slot])
+                    plgpu.wgmma(dv_ref, pt.transpose((1, 0)), do_smem.at[slot])
                     plgpu.barrier_wait(dl_ready.at[slot])
                     dl = _load(dl_smem.at[slot], ROW, gmem=False)
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP done
@@ -151,20 +155,20 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
                 if config.dv_with_dp:  # S alone, then dP and dV together
                     def s_fn(s_ref):
-                        plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
+                        plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
                         return probs(s_ref, lse_row(), 0)
                     p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
 
                     def front(refs):
                         dv_ref, dp_ref = refs
-                        plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
+                        plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
                         grads(p, dv_ref, dp_ref)
                     dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 else:  # S and dP together, P formed while dP runs
                     def front(refs):
                         dv_ref, s_ref, dp_ref = refs
-                        plgpu.wgmma(s_ref, q_smem.at[slot], kw.transpose((1, 0)))
-                        plgpu.wgmma(dp_ref, do_smem.at[slot], vw.transpose((1, 0)))
+                        plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
+                        plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
                         grads(probs(s_ref, lse_row(), 1), dv_ref, dp_ref)  # dP runs on
                     dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
                                                     plgpu.ACC.init(zeros)))
@@ -180,8 +184,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     dk_ref_, dq_ref_ = refs
                     plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
                                 q_smem.at[slot])
-                    for w in range(2):
-                        plgpu.wgmma(dq_ref_, ds_smem.at[par, w], k_smem.at[w, :, cols])
+                    for w in range(2):  # (w_own - wg + w: w, as the step's index)
+                        kk = k_smem.at[w_own - wg + w, :, cols]
+                        plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
                 dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
                 # the previous step's reduce-add must have read the block before it is
