@@ -105,11 +105,15 @@ class MgpuConfig:
     ``S = Q K^T`` with queries as rows, passing ``P`` and ``dS`` to the dV and dK
     products through shared memory (``pallas_mgpu_fused``), FlashAttention-3's layout for
     D 128 with a causal mask, instead of ``S^T`` with lse and delta as column vectors.
-    ``step_descriptors`` (the backward's kernels): a consumer's own blocks (K and V in
-    the dK/dV and fused kernels, Q and dO in the dQ kernel) are indexed in each step
-    through ``step_index``, so that the wgmma descriptors of those operands are formed
-    in the step instead of hoisted out of the loop, where ptxas keeps them in registers
-    or spills them (the fused kernels' spills were such descriptors).
+    ``step_descriptors`` (the two-kernel backward): a consumer's own blocks (K and V in
+    the dK/dV kernel, Q and dO in the dQ kernel) are indexed in each step through
+    ``step_index``, so that the wgmma descriptors of those operands are formed in the
+    step instead of hoisted out of the loop, where ptxas keeps them in registers or
+    spills them.  On one H100 it took the dK/dV kernel's spills from 48 to 8 bytes a
+    thread and the dQ kernel's from 56 to none, but the dK/dV kernel read 3.9% slower
+    and the dQ kernel 1.4% faster on packed documents (one run), so off.  The fused
+    kernel of ``row_scores`` always indexes so (its spills fell from 1080 to 124 bytes
+    and its time by about a quarter: RESULTS.md).
     """
 
     block_q: int = 64

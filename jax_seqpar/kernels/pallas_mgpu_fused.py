@@ -26,6 +26,10 @@ step (``S^T = K Q^T``):
   whole ``[queries, 2 * block_kv_bwd]`` dS by half of K's columns and adds that half of
   the dQ block into a zeroed float32 dQ in global memory with a TMA reduce-add.
 
+The consumer's own K, V and P blocks are indexed in each step (``step_index``): hoisted
+out of the loop, their wgmma descriptors took registers that ptxas then spilled (1080
+bytes a thread; 124 this way, on one H100).
+
 Step order, with ``MgpuConfig.dv_with_dp`` (FlashAttention-3's): ``S`` alone; ``P``
 formed and stored; ``dP`` and ``dV`` issued together, ``dS`` formed while ``dV`` runs,
 stored; the barrier; ``dK`` and the dQ half issued together.  Without it ``S`` and
@@ -120,7 +124,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 slot = lax.rem(j, jnp.int32(stages))
                 par = lax.rem(j, jnp.int32(2))
                 start = tbl_ref[b, blk, t + 2] * bq
-                w_own = step_index(wg, start, config.step_descriptors)
+                w_own = step_index(wg, start)  # descriptors formed in the step: no spills
                 kt, vt = k_smem.at[w_own], v_smem.at[w_own]
                 pt = p_smem.at[w_own]
                 plgpu.barrier_wait(q_ready.at[slot])
