@@ -99,6 +99,17 @@ def test_split_dq_needs_head_dim_128(kw, name):
         _lowered(bwd, SDS((1, 256, 2, 64), BF16), SDS((1, 2, 256), jnp.float32))
 
 
+def test_step_index_is_the_index_for_every_list_entry():
+    """``step_index`` (``MgpuConfig.step_descriptors``, the fused kernel) must give back
+    the consumer's own index for every tile-list entry (never negative), and the index
+    itself when off; only its opacity to the compiler differs."""
+    from jax_seqpar.kernels.pallas_mgpu_common import step_index
+    for wg in (0, 1):
+        for token in (0, 1, 7, 2 ** 30):
+            assert int(step_index(jnp.int32(wg), jnp.int32(token))) == wg
+        assert step_index(wg, jnp.int32(-1), enabled=False) == wg
+
+
 def test_launch_order_puts_the_longest_rows_first():
     counts = jnp.array([[1, 4, 2, 4, 0], [3, 3, 3, 3, 3]], jnp.int32)
     tbl = jnp.concatenate([counts[..., None], jnp.zeros((2, 5, 3), jnp.int32)], -1)
