@@ -580,23 +580,19 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     # steps do not take them
     classes = bool(seg_kw) and config.mask_classes and not config.atomic_dq
     classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
-    if config.row_scores:  # fused, scores by row: classes as the dQ kernel's
-        classes = bool(seg_kw) and config.mask_classes
-        tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
-                           classes=classes, **seg_kw)
-        dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
-        dk, dv = fused_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
-                            kv_pos, *segs, dq_acc, mask=mask, scale=scale,
-                            masked=pos_masked, config=config, classes=classes)
-        dq = dq_acc[...][:, :Tq] * scale
-        return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
+    if config.row_scores:  # the fused kernel, scores by row: classes as the dQ kernel's
+        classes_dkdv = bool(seg_kw) and config.mask_classes
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
                        classes=classes_dkdv, **seg_kw)
     if config.atomic_dq:
         dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
-        dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos,
-                            kv_pos, *segs, mask=mask, scale=scale, masked=pos_masked,
-                            config=config, dq_acc=dq_acc)
+        args = (tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
+        if config.row_scores:
+            dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
+                                config=config, classes=classes_dkdv)
+        else:
+            dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=pos_masked,
+                                config=config, dq_acc=dq_acc)
         dq = dq_acc[...][:, :Tq] * scale
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,

@@ -214,7 +214,8 @@ def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     """Shared memory of the larger backward CTA: dK/dV (the K and V of its two consumers,
     the Q, dO, lse and delta rings; with ``atomic_dq`` also each consumer's dS tile and
-    float32 dQ block; with ``row_scores`` also its P) or dQ (two Q and dO blocks, the K and V rings)."""
+    float32 dQ block; with ``row_scores`` also its P) or dQ (two Q and dO blocks, the K
+    and V rings)."""
     item = jnp.dtype(dtype).itemsize
     kv = 2 * 2 * config.block_kv_bwd * head_dim * item
     ring = config.num_stages_bwd * config.block_q_bwd * (2 * head_dim * item + 8)
