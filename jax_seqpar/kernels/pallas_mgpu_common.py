@@ -106,9 +106,9 @@ class MgpuConfig:
     products through shared memory (``pallas_mgpu_fused``), FlashAttention-3's layout for
     D 128 with a causal mask, instead of ``S^T`` with lse and delta as column vectors.
     On one H100 it ran level with the two kernels (forward + backward -0.8 to +2.6
-    points of cuDNN's rate at 16k and 64k; packed documents 82.9% against 83.0%): its
-    kernel is 1-4% faster than the two backward kernels together, and the zeroed float32
-    dQ and the pass over it give that back, so off (RESULTS.md).
+    points of cuDNN's rate at 16k and 64k; packed documents 77.4% and 82.9% against
+    79.7% and 83.0%): its kernel is 1-4% faster than the two backward kernels together,
+    and the zeroed float32 dQ and the pass over it give that back, so off (RESULTS.md).
     ``step_descriptors`` (the two-kernel backward): a consumer's own blocks (K and V in
     the dK/dV kernel, Q and dO in the dQ kernel) are indexed in each step through
     ``step_index``, so that the wgmma descriptors of those operands are formed in the
