@@ -60,9 +60,12 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, masked_loops,
-                                                   on_producer_warps, produce_kv,
-                                                   produce_q_ring, step_index, tile_visible)
+                                                   cta_order, ds_ready_once_more,
+                                                   kv_cta, kv_stationary_scratch,
+                                                   launch_kv_stationary, on_producer_warps,
+                                                   produce_kv, start_consumer,
+                                                   q_ring_producer, row_loops, step_index,
+                                                   store_dkdv, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -96,21 +99,12 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem), \
             (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
             = scoped
-        b = lax.axis_index("batch")
-        kvh = lax.axis_index("heads")
-        blk = order_ref[b, lax.axis_index("kv_seq")]
-        wg = lax.axis_index("wg")
-        count = tbl_ref[b, blk, 0]
-        n_full = tbl_ref[b, blk, 1] if masked else count
+        b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
 
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(240, action="increase")
-            row0 = blk * (2 * bk) + wg * bk
-            kw, vw = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
-            plgpu.barrier_wait(kv_ready.at[wg])
+            row0, kw, vw = start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
+                                          kvh, wg)
             if masked:
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
@@ -283,43 +277,21 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 return dk, dv
 
             def head(hh, carry):
-                carry = lax.fori_loop(0, n_full, functools.partial(
-                    step, hh=hh, mode=None), carry)
-                if masked:
-                    carry = masked_loops(
-                        tbl_ref, b, blk, n_full, count, has_seg, classes,
-                        lambda lo, hi, mode, carry: lax.fori_loop(
-                            lo, hi, functools.partial(step, hh=hh, mode=mode), carry),
-                        carry)
-                return carry
+                return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
+                                 functools.partial(step, hh=hh), carry)
             zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
             if split_dq:
-                # Both consumers' dQ products read both K blocks: neither may overwrite
-                # its K with dK below before the other's last product is done.
-                last = g * count - 1
-
-                @pl.when(count > 0)
-                def _():  # one more round of ds_ready, which nobody else waits for
-                    plgpu.barrier_arrive(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
-                    plgpu.barrier_wait(ds_ready.at[lax.rem(last + 1, jnp.int32(2))])
-            kw[...] = (dk * scale).astype(dtype)
-            vw[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(kw, dk_ref.at[b, pl.ds(row0, bk), kvh])
-            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
-            plgpu.wait_smem_to_gmem(0)
-
-        def produce():
-            produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages,
-                           (q_ref, do_ref, lse_ref, dl_ref),
-                           (q_smem, do_smem, lse_smem, dl_smem),
-                           (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
+                ds_ready_once_more(ds_ready, g, count)
+            store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
+                       (b, pl.ds(row0, bk), kvh))
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(24, action="decrease")
-            on_producer_warps(config.warp_producer_bwd, produce)
+            q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
+                            stages, (q_ref, do_ref, lse_ref, dl_ref),
+                            (q_smem, do_smem, lse_smem, dl_smem),
+                            (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
 
     n_in = 10 + 2 * has_seg
 
@@ -327,13 +299,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
         dq_ref = refs[n_in] if with_dq else None
         dk_ref, dv_ref = refs[-2:]
+        smem, ready = kv_stationary_scratch(bk, bq, D, stages, dtype)
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((2, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq), F32),
-                plgpu.SMEM((stages, bq), F32))
         swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
         if split_dq:
             smem += (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=swz),
@@ -348,26 +315,13 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         pl.run_scoped(
             lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (
                 (*sm, *pad), ready, fr if split_dq else (*fr, None))),
-            smem,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-            frees,
+            smem, ready, frees,
             collective_axes="wg",
         )
 
-    args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
-        [q_seg, kv_seg] if has_seg else [])
-    args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
-    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
-                num_threads=3, thread_name="wg")
-    params = plgpu.CompilerParams(approx_math=True)
-    if not with_dq:
-        return plgpu.kernel(entry, out_type=out_type, compiler_params=params, **grid)(*args)
-    # dQ is a mutable Ref, read and written in place: ``pl.kernel`` on a Mosaic GPU mesh
-    # takes Ref operands (plgpu.kernel's batching wrapper does not)
-    return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
-                     compiler_params=params)(*args, dq_acc)
+    # dQ (with_dq) is a mutable Ref, read and written in place
+    return launch_kv_stationary(entry, [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos],
+                                q_seg, kv_seg, (B, Lk, Hkv, D), dtype, bk, dq_acc)
 
 
 # --------------------------------------------------------------------------- dQ
@@ -501,12 +455,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
-            dq = lax.fori_loop(0, n_full, functools.partial(step, mode=None), dq)
-            if masked:
-                dq = masked_loops(
-                    tbl_ref, b, cta, n_full, count, has_seg, classes,
-                    lambda lo, hi, mode, dq: lax.fori_loop(
-                        lo, hi, functools.partial(step, mode=mode), dq), dq)
+            dq = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked, step, dq)
             qw[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, pl.ds(row0, bq), h])

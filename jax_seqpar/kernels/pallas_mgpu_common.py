@@ -501,3 +501,130 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
         def _():
             plgpu.barrier_wait(do_free.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+
+
+# ------------------------------------------------------------ key-stationary backward
+# What the dK/dV kernel (``pallas_mgpu_bwd._dkdv_call``) and the fused one
+# (``pallas_mgpu_fused.fused_call``) share: one CTA per block of ``2 * bk`` keys, a
+# consumer warpgroup per ``bk`` of them, a producer streaming Q, dO, lse and delta.
+
+def kv_stationary_scratch(bk: int, bq: int, D: int, stages: int, dtype):
+    """Their shared memory and "landed" barriers: ``(smem, ready)``, the consumers' K and
+    V blocks and the Q, dO, lse and delta rings; ``ready``: (K and V, Q, dO, lse,
+    delta)."""
+    plgpu = _plgpu()
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+            plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
+            plgpu.SMEM((stages, bq), F32),
+            plgpu.SMEM((stages, bq), F32))
+    ready = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
+    return smem, ready
+
+
+def kv_cta(tbl_ref, order_ref, masked: bool):
+    """Who this is: ``(b, kvh, blk, wg, count, n_full)``, the batch row, key/value head,
+    key block (from the launch order), warpgroup, and the block's tile-list count and
+    unmasked count (all of it unless ``masked``)."""
+    from jax import lax
+    b = lax.axis_index("batch")
+    kvh = lax.axis_index("heads")
+    blk = order_ref[b, lax.axis_index("kv_seq")]
+    wg = lax.axis_index("wg")
+    count = tbl_ref[b, blk, 0]
+    n_full = tbl_ref[b, blk, 1] if masked else count
+    return b, kvh, blk, wg, count, n_full
+
+
+def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, wg):
+    """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
+    blocks into shared memory, waited for: ``(row0, kw, vw)``, the first key's row and
+    the blocks' views."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    plgpu.set_max_registers(240, action="increase")
+    row0 = blk * (2 * bk) + wg * bk
+    kw, vw = k_smem.at[wg], v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
+    plgpu.barrier_wait(kv_ready.at[wg])
+    return row0, kw, vw
+
+
+def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, masked: bool,
+              step, carry):
+    """One tile-list row: ``carry = step(t, carry, mode=...)`` over its unmasked entries,
+    then (``masked``) over each mask class's (``masked_loops``)."""
+    import functools
+    from jax import lax
+    carry = lax.fori_loop(0, n_full, functools.partial(step, mode=None), carry)
+    if masked:
+        carry = masked_loops(
+            tbl_ref, b, row, n_full, count, has_seg, classes,
+            lambda lo, hi, mode, carry: lax.fori_loop(
+                lo, hi, functools.partial(step, mode=mode), carry),
+            carry)
+    return carry
+
+
+def ds_ready_once_more(ds_ready, g, count) -> None:
+    """With dQ split between the consumers, each one's last dQ product reads the other's
+    K block: one more round of the dS barrier (which nobody else waits for) after the
+    ``g * count`` steps (query heads of the group times tiles), before either overwrites
+    its K block with dK."""
+    import jax.experimental.pallas as pl
+    from jax import lax
+    plgpu = _plgpu()
+    nxt = lax.rem(g * count, jnp.int32(2))
+
+    @pl.when(count > 0)
+    def _():
+        plgpu.barrier_arrive(ds_ready.at[nxt])
+        plgpu.barrier_wait(ds_ready.at[nxt])
+
+
+def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows) -> None:
+    """A consumer's dK (times ``scale``) and dV in ``dtype`` through its K and V blocks to
+    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends."""
+    plgpu = _plgpu()
+    kw[...] = (dk * scale).astype(dtype)
+    vw[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(kw, dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(vw, dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem,
+                    ready, free) -> None:
+    """The producer warpgroup: registers given back, then ``produce_q_ring`` (arguments
+    as its) from one warp or all four (``on_producer_warps``)."""
+    _plgpu().set_max_registers(24, action="decrease")
+    on_producer_warps(one_warp, lambda: produce_q_ring(
+        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free))
+
+
+def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_acc=None):
+    """Run ``entry`` over one CTA per (key/value head, block of ``2 * bk`` keys, batch row)
+    with three warpgroups; ``args``: the ten leading operands, then the segment ids if
+    given; ``shape``: ``(B, Lk, Hkv, D)`` of K, and of the dK and dV it returns in
+    ``dtype``.
+    ``dq_acc``: a float32 Ref the kernel adds dQ into (``pl.kernel`` on a Mosaic GPU mesh
+    takes Ref operands; ``plgpu.kernel``'s batching wrapper does not)."""
+    import jax.experimental.pallas as pl
+    from jax_seqpar.runtime._compat import kernel_io
+    plgpu = _plgpu()
+    B, Lk, Hkv, D = shape
+    args = list(args) + ([q_seg, kv_seg] if q_seg is not None else [])
+    args, out_type = kernel_io(args, [(shape, dtype)] * 2)
+    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
+                num_threads=3, thread_name="wg")
+    params = plgpu.CompilerParams(approx_math=True)
+    if dq_acc is None:
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=params, **grid)(*args)
+    return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
+                     compiler_params=params)(*args, dq_acc)

@@ -44,11 +44,12 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   masked_loops, on_producer_warps,
-                                                   produce_q_ring, step_index,
-                                                   tile_visible)
+                                                   ds_ready_once_more, kv_cta,
+                                                   kv_stationary_scratch, launch_kv_stationary,
+                                                   q_ring_producer, row_loops, start_consumer,
+                                                   step_index,
+                                                   store_dkdv, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 
@@ -80,21 +81,12 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
             (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
             = scoped
-        b = lax.axis_index("batch")
-        kvh = lax.axis_index("heads")
-        blk = order_ref[b, lax.axis_index("kv_seq")]
-        wg = lax.axis_index("wg")
-        count = tbl_ref[b, blk, 0]
-        n_full = tbl_ref[b, blk, 1] if masked else count
+        b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
 
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(240, action="increase")
-            row0 = blk * (2 * bk) + wg * bk
-            kw, vw = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
-            plgpu.barrier_wait(kv_ready.at[wg])
+            row0, kw, vw = start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
+                                          kvh, wg)
             if masked:
                 kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
                 kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
@@ -204,39 +196,20 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 return dk, dv
 
             def head(hh, carry):
-                carry = lax.fori_loop(0, n_full, functools.partial(
-                    step, hh=hh, mode=None), carry)
-                if masked:
-                    carry = masked_loops(
-                        tbl_ref, b, blk, n_full, count, has_seg, classes,
-                        lambda lo, hi, mode, carry: lax.fori_loop(
-                            lo, hi, functools.partial(step, hh=hh, mode=mode), carry),
-                        carry)
-                return carry
+                return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
+                                 functools.partial(step, hh=hh), carry)
             zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
             dk, dv = lax.fori_loop(0, g, head, (zero, zero))
-            # The other consumer's last dQ product reads this one's K block: one more
-            # round of ds_ready (which nobody else waits for) before K becomes dK.
-            nxt = lax.rem(g * count, jnp.int32(2))
-
-            @pl.when(count > 0)
-            def _():
-                plgpu.barrier_arrive(ds_ready.at[nxt])
-                plgpu.barrier_wait(ds_ready.at[nxt])
-            kw[...] = (dk * scale).astype(dtype)
-            vw[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(kw, dk_ref.at[b, pl.ds(row0, bk), kvh])
-            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, pl.ds(row0, bk), kvh])
-            plgpu.wait_smem_to_gmem(0)
+            ds_ready_once_more(ds_ready, g, count)
+            store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
+                       (b, pl.ds(row0, bk), kvh))
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(24, action="decrease")
-            on_producer_warps(config.warp_producer_bwd, lambda: produce_q_ring(
-                tbl_ref, b, blk, count, g, kvh, bq, stages,
-                (q_ref, do_ref, lse_ref, dl_ref), (q_smem, do_smem, lse_smem, dl_smem),
-                (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free)))
+            q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
+                            stages, (q_ref, do_ref, lse_ref, dl_ref),
+                            (q_smem, do_smem, lse_smem, dl_smem),
+                            (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
 
     n_in = 10 + 2 * has_seg
 
@@ -244,34 +217,20 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
         dq_ref = refs[n_in]
         dk_ref, dv_ref = refs[-2:]
+        smem, ready = kv_stationary_scratch(bk, bq, D, stages, dtype)
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((2, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq, D), dtype, transforms=swz),
-                plgpu.SMEM((stages, bq), F32),
-                plgpu.SMEM((stages, bq), F32),
-                plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
-                plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
-                plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
+        smem += (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
+                 plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
+                 plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
         pl.run_scoped(
-            lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (sm, ready, fr)),
-            smem,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            lambda sm, rd, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (sm, rd, fr)),
+            smem, ready,
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=2)),
             collective_axes="wg",
         )
 
-    args = [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos] + (
-        [q_seg, kv_seg] if has_seg else [])
-    args, out_type = kernel_io(args, [((B, Lk, Hkv, D), dtype)] * 2)
-    grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
-                num_threads=3, thread_name="wg")
-    # dQ is a mutable Ref, read and written in place (as in ``_dkdv_call``)
-    return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
-                     compiler_params=plgpu.CompilerParams(approx_math=True))(*args, dq_acc)
+    return launch_kv_stationary(entry, [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos],
+                                q_seg, kv_seg, (B, Lk, Hkv, D), dtype, bk, dq_acc)
