@@ -50,7 +50,6 @@ in the input dtype, as cuDNN's, and are cast to float32; atomic dQ stays float32
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -61,11 +60,11 @@ from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    cta_order, ds_ready_once_more,
-                                                   kv_cta, kv_stationary_scratch,
-                                                   launch_kv_stationary, on_producer_warps,
-                                                   produce_kv, start_consumer,
-                                                   q_ring_producer, row_loops, step_index,
-                                                   store_dkdv, tile_visible)
+                                                   key_block_grads, kv_cta,
+                                                   kv_stationary_scratch, launch_kv_stationary,
+                                                   on_producer_warps, produce_kv,
+                                                   q_ring_producer, row_loops, start_consumer,
+                                                   step_index, store_dkdv, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -276,11 +275,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                                         reduction_op="add")
                 return dk, dv
 
-            def head(hh, carry):
-                return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
-                                 functools.partial(step, hh=hh), carry)
-            zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
-            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg, classes,
+                                     masked, step, (bk, D))
             if split_dq:
                 ds_ready_once_more(ds_ready, g, count)
             store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
@@ -289,9 +285,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         @pl.when(wg == 2)
         def _producer():
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (q_ref, do_ref, lse_ref, dl_ref),
-                            (q_smem, do_smem, lse_smem, dl_smem),
-                            (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
+                            stages, (q_ref, do_ref, lse_ref, dl_ref), scoped)
 
     n_in = 10 + 2 * has_seg
 

@@ -599,13 +599,33 @@ def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows) -> Non
     plgpu.wait_smem_to_gmem(0)
 
 
-def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem,
-                    ready, free) -> None:
-    """The producer warpgroup: registers given back, then ``produce_q_ring`` (arguments
-    as its) from one warp or all four (``on_producer_warps``)."""
+def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs,
+                    scoped) -> None:
+    """The producer warpgroup: registers given back, then ``produce_q_ring`` from one warp
+    or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in global
+    memory; ``scoped``: the kernel's ``(smem, ready, free)`` as ``kv_stationary_scratch``
+    orders them (the rings at 2-5, their barriers at 1-4, the two "read" barriers
+    first)."""
+    smem, ready, free = scoped
     _plgpu().set_max_registers(24, action="decrease")
     on_producer_warps(one_warp, lambda: produce_q_ring(
-        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free))
+        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
+        tuple(ready[1:5]), tuple(free[:2])))
+
+
+def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
+                    masked: bool, step, shape):
+    """A consumer's dK and dV (``shape``, float32, from zero) after ``step(t, carry, hh=,
+    mode=)`` over its tile-list row for each of the ``g`` query heads of the group."""
+    import functools
+    from jax import lax
+    plgpu = _plgpu()
+
+    def head(hh, carry):
+        return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
+                         functools.partial(step, hh=hh), carry)
+    zero = plgpu.layout_cast(jnp.full(shape, 0.0, F32), plgpu.Layout.WGMMA)
+    return lax.fori_loop(0, g, head, (zero, zero))
 
 
 def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_acc=None):

@@ -39,17 +39,15 @@ of dQ varies from run to run.
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   ds_ready_once_more, kv_cta,
-                                                   kv_stationary_scratch, launch_kv_stationary,
-                                                   q_ring_producer, row_loops, start_consumer,
-                                                   step_index,
-                                                   store_dkdv, tile_visible)
+                                                   ds_ready_once_more, key_block_grads,
+                                                   kv_cta, kv_stationary_scratch,
+                                                   launch_kv_stationary, q_ring_producer,
+                                                   start_consumer, step_index, store_dkdv,
+                                                   tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 
@@ -195,11 +193,8 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
                 return dk, dv
 
-            def head(hh, carry):
-                return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
-                                 functools.partial(step, hh=hh), carry)
-            zero = plgpu.layout_cast(jnp.full((bk, D), 0.0, F32), WGMMA)
-            dk, dv = lax.fori_loop(0, g, head, (zero, zero))
+            dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg, classes,
+                                     masked, step, (bk, D))
             ds_ready_once_more(ds_ready, g, count)
             store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
                        (b, pl.ds(row0, bk), kvh))
@@ -207,9 +202,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         @pl.when(wg == 2)
         def _producer():
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (q_ref, do_ref, lse_ref, dl_ref),
-                            (q_smem, do_smem, lse_smem, dl_smem),
-                            (q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free))
+                            stages, (q_ref, do_ref, lse_ref, dl_ref), scoped)
 
     n_in = 10 + 2 * has_seg
 
