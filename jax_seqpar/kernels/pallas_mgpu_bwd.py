@@ -59,12 +59,10 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, ds_ready_once_more,
-                                                   key_block_grads, kv_cta,
-                                                   kv_stationary_scratch, launch_kv_stationary,
-                                                   on_producer_warps, produce_kv,
-                                                   q_ring_producer, row_loops, start_consumer,
-                                                   step_index, store_dkdv, tile_visible)
+                                                   cta_order, on_producer_warps, produce_kv,
+                                                   row_loops, step_index, tile_visible)
+from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
+                                                 reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -76,246 +74,210 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                dq_acc=None, classes: bool = False):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
-    B, Lq, Hq, D = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    dtype = q.dtype
-    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
-    has_seg = q_seg is not None
     with_dq = dq_acc is not None
     split_dq = with_dq and config.split_dq
-    if split_dq and D < 128:
-        raise ValueError(f"MgpuConfig.split_dq needs a head dim of 128 or more (half of "
-                         f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
+    D, g, dtype, bq, bk, stages = kv_shapes(q, k, config,
+                                            split="split_dq" if split_dq else None)
+    has_seg = q_seg is not None
     half = D // 2
     c = scale * LOG2E
     overlap = config.overlap_bwd and not with_dq
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
-    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
-               kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem), \
-            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
-            = scoped
-        b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
+    def make_step(refs, scoped, cta, row0, kw):
+        (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
+         qseg_ref, kvseg_ref, dq_ref, _, _) = refs
+        sm, ready, fr = scoped
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem, dq_smem) = (
+            (*sm, None, None) if not with_dq else sm)
+        (kv_ready, q_ready, do_ready, lse_ready, dl_ready) = ready
+        (q_free, do_free, ds_ready) = fr if split_dq else (*fr, None)
+        b, kvh, blk, wg, count, n_full = cta
+        if masked:
+            kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
+            kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
-        @pl.when(wg < 2)
-        def _consumer():
-            row0, kw, vw = start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
-                                          kvh, wg)
-            if masked:
-                kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], ROW)
-                kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
+        def own(t):
+            """This consumer's K and V blocks, indexed in step ``t``."""
+            w = step_index(wg, tbl_ref[b, blk, t + 2], config.step_descriptors)
+            return k_smem.at[w], v_smem.at[w]
 
-            def own(t):
-                """This consumer's K and V blocks, indexed in step ``t``."""
-                w = step_index(wg, tbl_ref[b, blk, t + 2], config.step_descriptors)
-                return k_smem.at[w], v_smem.at[w]
+        def mask_scores(s, t, mode):
+            """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``: the tests
+            ``mode`` (``masked_loops``) names, none for an unmasked tile."""
+            if mode is None:
+                return s
+            pos, seg = mode
+            start = tbl_ref[b, blk, t + 2] * bq
+            qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL) if pos else None
+            pair = seg == "pair"
+            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if pair else None
+            ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
+                              qseg, kseg if pair else None, 1, (bk, bq))
+            return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def mask_scores(s, t, mode):
-                """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``: the tests
-                ``mode`` (``masked_loops``) names, none for an unmasked tile."""
-                if mode is None:
-                    return s
-                pos, seg = mode
-                start = tbl_ref[b, blk, t + 2] * bq
-                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL) if pos else None
-                pair = seg == "pair"
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if pair else None
-                ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
-                                  qseg, kseg if pair else None, 1, (bk, bq))
-                return s if ok is None else jnp.where(ok, s, -jnp.inf)
+        def col_lse(lse, t, mode):
+            """lse, or (segment test folded: the CTA's keys are one document) +inf
+            for the queries of another document, so that their P is 0.  (The ids
+            load here, once the scores exist, as the pair test's do; loaded before
+            the products were issued they read no faster on one H100, RESULTS.md.)
+            Off by default: ``MgpuConfig.mask_classes_dkdv``."""
+            if mode is None or mode[1] != "fold":
+                return lse
+            start = tbl_ref[b, blk, t + 2] * bq
+            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL)
+            return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
 
-            def col_lse(lse, t, mode):
-                """lse, or (segment test folded: the CTA's keys are one document) +inf
-                for the queries of another document, so that their P is 0.  (The ids
-                load here, once the scores exist, as the pair test's do; loaded before
-                the products were issued they read no faster on one H100, RESULTS.md.)
-                Off by default: ``MgpuConfig.mask_classes_dkdv``."""
-                if mode is None or mode[1] != "fold":
-                    return lse
-                start = tbl_ref[b, blk, t + 2] * bq
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL)
-                return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
+        def step_overlap(t, carry, hh, mode):
+            # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
+            dk, dv = carry
+            slot = lax.rem(hh * count + t, jnp.int32(stages))
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
 
-            def step_overlap(t, carry, hh, mode):
-                # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
-                dk, dv = carry
-                slot = lax.rem(hh * count + t, jnp.int32(stages))
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
-                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
-
-                def body(refs):
-                    dv_ref, dk_ref, s_ref, dp_ref = refs
-                    kt, vt = own(t)
-                    plgpu.wgmma(s_ref, kt, q_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, vt, do_smem.at[slot].transpose((1, 0)))
-                    plgpu.barrier_wait(lse_ready.at[slot])
-                    lse = _load(lse_smem.at[slot], COL, gmem=False)
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
-                    s = mask_scores(s, t, mode)
-                    lse = col_lse(lse, t, mode)
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.barrier_wait(dl_ready.at[slot])
-                    dl = _load(dl_smem.at[slot], COL, gmem=False)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = (p * (dp - lax.broadcast_in_dim(dl, s.shape, [1]))).astype(dtype)
-                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
-                dv, dk, _, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                                   plgpu.ACC.init(zeros),
-                                                   plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(do_free.at[slot])
-                plgpu.barrier_arrive(q_free.at[slot])
-                return dk, dv
-
-            def probs_t(t, slot, mode):
-                """``P^T`` of tile ``t`` from ``S^T = K Q^T`` issued alone, once its dO
-                block has landed too (the serial steps' shared first half)."""
-                plgpu.barrier_wait(q_ready.at[slot])
-
-                def st(acc_ref):
-                    plgpu.wgmma(acc_ref, own(t)[0], q_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
+            def body(refs):
+                dv_ref, dk_ref, s_ref, dp_ref = refs
+                kt, vt = own(t)
+                plgpu.wgmma(s_ref, kt, q_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(dp_ref, vt, do_smem.at[slot].transpose((1, 0)))
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse = _load(lse_smem.at[slot], COL, gmem=False)
-                s = mask_scores(s, t, mode)
-                lse = col_lse(lse, t, mode)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
-                plgpu.barrier_wait(do_ready.at[slot])
-                return p
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # S^T done
+                p = probs_from(s, lse, t, mode)
+                plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                ds_then_dk(p, slot, dk_ref, dp_ref)
+            dv, dk, _, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                               plgpu.ACC.init(zeros),
+                                               plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(do_free.at[slot])
+            plgpu.barrier_arrive(q_free.at[slot])
+            return dk, dv
 
-            def step_dv_with_dp(t, carry, hh, mode):
-                # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
-                # freed when dV is done, Q's when dK is
-                dk, dv = carry
-                slot = lax.rem(hh * count + t, jnp.int32(stages))
-                p = probs_t(t, slot, mode)
-                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+        def probs_t(t, slot, mode):
+            """``P^T`` of tile ``t`` from ``S^T = K Q^T`` issued alone, once its dO
+            block has landed too (the serial steps' shared first half)."""
+            plgpu.barrier_wait(q_ready.at[slot])
 
-                def body(refs):
-                    dv_ref, dk_ref, dp_ref = refs
-                    plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.barrier_wait(dl_ready.at[slot])
-                    dl = _load(dl_smem.at[slot], COL, gmem=False)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
-                    ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
-                    plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
-                    plgpu.wgmma_wait(1)                                  # dV done
-                    plgpu.barrier_arrive(do_free.at[slot])
-                dv, dk, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                                plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(q_free.at[slot])
-                return dk, dv
+            def st(acc_ref):
+                plgpu.wgmma(acc_ref, own(t)[0], q_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(st, plgpu.ACC((bk, bq), F32))          # S^T [keys, queries]
+            plgpu.barrier_wait(lse_ready.at[slot])
+            p = probs_from(s, _load(lse_smem.at[slot], COL, gmem=False), t, mode)
+            plgpu.barrier_wait(do_ready.at[slot])
+            return p
 
-            def step(t, carry, hh, mode):
-                if config.dv_with_dp and not with_dq:
-                    return step_dv_with_dp(t, carry, hh, mode)
-                if overlap:
-                    return step_overlap(t, carry, hh, mode)
-                dk, dv = carry
-                slot = lax.rem(hh * count + t, jnp.int32(stages))
-                p = probs_t(t, slot, mode)
+        def probs_from(s, lse, t, mode):
+            """``P^T`` from the tile's ``S^T`` and its queries' lse (masks applied)."""
+            s = mask_scores(s, t, mode)
+            lse = col_lse(lse, t, mode)
+            return jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
 
-                def dv_dp(refs):
-                    dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
-                zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
-                dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+        def ds_then_dk(p, slot, dk_ref, dp_ref):
+            """Once ``dP^T`` is done (the product issued after it may still run):
+            ``dS^T``, and ``dK += dS^T Q`` issued."""
+            plgpu.barrier_wait(dl_ready.at[slot])
+            dl = _load(dl_smem.at[slot], COL, gmem=False)
+            dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP^T done
+            ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
+            plgpu.wgmma(dk_ref, ds, q_smem.at[slot])
+
+        def step_dv_with_dp(t, carry, hh, mode):
+            # S^T alone; dP^T and dV together, dS formed while dV runs; dO's slot
+            # freed when dV is done, Q's when dK is
+            dk, dv = carry
+            slot = lax.rem(hh * count + t, jnp.int32(stages))
+            p = probs_t(t, slot, mode)
+            zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+
+            def body(refs):
+                dv_ref, dk_ref, dp_ref = refs
+                plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                ds_then_dk(p, slot, dk_ref, dp_ref)
+                plgpu.wgmma_wait(1)                                  # dV done
                 plgpu.barrier_arrive(do_free.at[slot])
-                plgpu.barrier_wait(dl_ready.at[slot])
-                dl = _load(dl_smem.at[slot], COL, gmem=False)
-                ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
-                if not with_dq:
-                    def dk_fn(acc_ref):
-                        plgpu.wgmma(acc_ref, ds, q_smem.at[slot])
-                    dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
-                    plgpu.barrier_arrive(q_free.at[slot])
-                    return dk, dv
-                dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
-                # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
-                if split_dq:  # both consumers' blocks (double-buffered by step parity);
-                    # each then adds dS K for half of dQ's columns over all 2 * bk keys
-                    par = lax.rem(hh * count + t, jnp.int32(2))
-                    ds_smem.at[par, wg][...] = ds
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_ready.at[par])
-                    plgpu.barrier_wait(ds_ready.at[par])
-                    cols = pl.ds(pl.multiple_of(wg * half, half), half)
-                    width = half
-                else:
-                    ds_smem.at[wg][...] = ds
-                    plgpu.commit_smem()
-                    width = D
-                zq = plgpu.layout_cast(jnp.full((bq, width), 0.0, F32), WGMMA)
+            dv, dk, _ = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                            plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(q_free.at[slot])
+            return dk, dv
 
-                def dk_dq(refs):
-                    dk_ref_, dq_ref_ = refs
-                    plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
-                    # (operand views made here: made outside this scope, the split's
-                    # failed to lower on JAX 0.11.2, "Shaped arrays must be represented
-                    # by ir.Values")
-                    terms = ([(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
-                             if split_dq else [(ds_smem.at[wg], kw)])
-                    for ds_t, k_part in terms:
-                        plgpu.wgmma(dq_ref_, ds_t.transpose((1, 0)), k_part)
-                dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+        def step(t, carry, hh, mode):
+            if config.dv_with_dp and not with_dq:
+                return step_dv_with_dp(t, carry, hh, mode)
+            if overlap:
+                return step_overlap(t, carry, hh, mode)
+            dk, dv = carry
+            slot = lax.rem(hh * count + t, jnp.int32(stages))
+            p = probs_t(t, slot, mode)
+
+            def dv_dp(refs):
+                dv_ref, dp_ref = refs
+                plgpu.wgmma(dv_ref, p.astype(dtype), do_smem.at[slot])
+                plgpu.wgmma(dp_ref, own(t)[1], do_smem.at[slot].transpose((1, 0)))
+            zeros = plgpu.layout_cast(jnp.full((bk, bq), 0.0, F32), WGMMA)
+            dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(do_free.at[slot])
+            plgpu.barrier_wait(dl_ready.at[slot])
+            dl = _load(dl_smem.at[slot], COL, gmem=False)
+            ds = (p * (dp - lax.broadcast_in_dim(dl, p.shape, [1]))).astype(dtype)
+            if not with_dq:
+                def dk_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, ds, q_smem.at[slot])
+                dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(q_free.at[slot])
-                # the previous block's reduce-add must have read dqw before it is rewritten
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dqw = dq_smem.at[wg]
-                dqw[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols] if split_dq else dst,
-                                        reduction_op="add")
                 return dk, dv
+            dst = dq_ref.at[b, pl.ds(tbl_ref[b, blk, t + 2] * bq, bq), kvh * g + hh]
+            # dS^T to shared memory, so that dQ's wgmma reads dS = (dS^T)^T from there
+            if split_dq:  # both consumers' blocks (double-buffered by step parity);
+                # each then adds dS K for half of dQ's columns over all 2 * bk keys
+                par = lax.rem(hh * count + t, jnp.int32(2))
+                ds_smem.at[par, wg][...] = ds
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[par])
+                cols = pl.ds(pl.multiple_of(wg * half, half), half)
+                width = half
+            else:
+                ds_smem.at[wg][...] = ds
+                plgpu.commit_smem()
+                width = D
+            zq = plgpu.layout_cast(jnp.full((bq, width), 0.0, F32), WGMMA)
 
-            dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg, classes,
-                                     masked, step, (bk, D))
-            if split_dq:
-                ds_ready_once_more(ds_ready, g, count)
-            store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                       (b, pl.ds(row0, bk), kvh))
+            def dk_dq(refs):
+                dk_ref_, dq_ref_ = refs
+                plgpu.wgmma(dk_ref_, ds, q_smem.at[slot])
+                # (operand views made here: made outside this scope, the split's
+                # failed to lower on JAX 0.11.2, "Shaped arrays must be represented
+                # by ir.Values")
+                terms = ([(ds_smem.at[par, w], k_smem.at[w, :, cols]) for w in range(2)]
+                         if split_dq else [(ds_smem.at[wg], kw)])
+                for ds_t, k_part in terms:
+                    plgpu.wgmma(dq_ref_, ds_t.transpose((1, 0)), k_part)
+            dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+            plgpu.barrier_arrive(q_free.at[slot])
+            reduce_add_dq(dq_smem.at[wg], dq,
+                          lambda: dst.at[:, cols] if split_dq else dst)
+            return dk, dv
 
-        @pl.when(wg == 2)
-        def _producer():
-            q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (q_ref, do_ref, lse_ref, dl_ref), scoped)
+        return step
 
-    n_in = 10 + 2 * has_seg
-
-    def entry(*refs):
-        ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
-        dq_ref = refs[n_in] if with_dq else None
-        dk_ref, dv_ref = refs[-2:]
-        smem, ready = kv_stationary_scratch(bk, bq, D, stages, dtype)
-        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-        if split_dq:
-            smem += (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=swz),
-                     plgpu.SMEM((2, bq, half), F32, transforms=swz32))
-        elif with_dq:
-            smem += (plgpu.SMEM((2, bk, bq), dtype, transforms=swz),
-                     plgpu.SMEM((2, bq, D), F32, transforms=swz32))
-        pad = () if with_dq else (None, None)
-        frees = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
-        if split_dq:  # dS^T ready
-            frees += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
-        pl.run_scoped(
-            lambda sm, ready, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (
-                (*sm, *pad), ready, fr if split_dq else (*fr, None))),
-            smem, ready, frees,
-            collective_axes="wg",
-        )
-
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    extra = ()
+    if split_dq:  # both consumers' dS^T, double-buffered by step parity; dQ half-blocks
+        extra = (plgpu.SMEM((2, 2, bk, bq), dtype, transforms=swz),
+                 plgpu.SMEM((2, bq, half), F32, transforms=swz32))
+    elif with_dq:
+        extra = (plgpu.SMEM((2, bk, bq), dtype, transforms=swz),
+                 plgpu.SMEM((2, bq, D), F32, transforms=swz32))
     # dQ (with_dq) is a mutable Ref, read and written in place
-    return launch_kv_stationary(entry, [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos],
-                                q_seg, kv_seg, (B, Lk, Hkv, D), dtype, bk, dq_acc)
+    return kv_stationary_kernel(
+        make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
+        dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=split_dq,
+        extra_smem=extra)
 
 
 # --------------------------------------------------------------------------- dQ

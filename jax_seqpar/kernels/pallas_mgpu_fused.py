@@ -43,11 +43,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   ds_ready_once_more, key_block_grads,
-                                                   kv_cta, kv_stationary_scratch,
-                                                   launch_kv_stationary, q_ring_producer,
-                                                   start_consumer, step_index, store_dkdv,
-                                                   tile_visible)
+                                                   step_index, tile_visible)
+from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
+                                                 reduce_add_dq)
 from jax_seqpar.masks import MaskSpec
 
 
@@ -60,170 +58,130 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     ``classes``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
-    B, Lq, Hq, D = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    dtype = q.dtype
-    bq, bk, stages = config.block_q_bwd, config.block_kv_bwd, config.num_stages_bwd
-    if D < 128:
-        raise ValueError(f"MgpuConfig.row_scores needs a head dim of 128 or more (half of "
-                         f"dQ's columns per consumer is a 64-wide wgmma); got {D}")
+    D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
     has_seg = q_seg is not None
     half = D // 2
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
-    def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref,
-               kvpos_ref, qseg_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, scoped):
+    def make_step(refs, scoped, cta, row0, kw):
+        (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
+         qseg_ref, kvseg_ref, dq_ref, _, _) = refs
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
             (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
             = scoped
-        b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
+        b, kvh, blk, wg, count, n_full = cta
+        if masked:
+            kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
+            kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
 
-        @pl.when(wg < 2)
-        def _consumer():
-            row0, kw, vw = start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
-                                          kvh, wg)
-            if masked:
-                kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
-                kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
+        def row_lse(lse, start, mode):
+            """lse, or (the CTA's keys are one document) +inf for the queries of
+            another document, so that their P is 0."""
+            if mode is None or mode[1] != "fold":
+                return lse
+            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW)
+            return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
 
-            def row_lse(lse, start, mode):
-                """lse, or (the CTA's keys are one document) +inf for the queries of
-                another document, so that their P is 0."""
-                if mode is None or mode[1] != "fold":
-                    return lse
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW)
-                return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
+        def visible(start, mode):
+            """The tile's mask (None: all visible) from the tests ``mode`` names."""
+            if mode is None:
+                return None
+            pos, seg = mode
+            qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], ROW) if pos else None
+            pair = seg == "pair"
+            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
+            return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
+                                qseg, kseg if pair else None, 0, (bq, bk))
 
-            def visible(start, mode):
-                """The tile's mask (None: all visible) from the tests ``mode`` names."""
-                if mode is None:
-                    return None
-                pos, seg = mode
-                qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], ROW) if pos else None
-                pair = seg == "pair"
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
-                return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
-                                    qseg, kseg if pair else None, 0, (bq, bk))
+        def step(t, carry, hh, mode):
+            dk, dv = carry
+            j = hh * count + t
+            slot = lax.rem(j, jnp.int32(stages))
+            par = lax.rem(j, jnp.int32(2))
+            start = tbl_ref[b, blk, t + 2] * bq
+            w_own = step_index(wg, start)  # descriptors formed in the step: no spills
+            kt, vt = k_smem.at[w_own], v_smem.at[w_own]
+            pt = p_smem.at[w_own]
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
 
-            def step(t, carry, hh, mode):
-                dk, dv = carry
-                j = hh * count + t
-                slot = lax.rem(j, jnp.int32(stages))
-                par = lax.rem(j, jnp.int32(2))
-                start = tbl_ref[b, blk, t + 2] * bq
-                w_own = step_index(wg, start)  # descriptors formed in the step: no spills
-                kt, vt = k_smem.at[w_own], v_smem.at[w_own]
-                pt = p_smem.at[w_own]
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
-                zeros = plgpu.layout_cast(jnp.full((bq, bk), 0.0, F32), WGMMA)
-
-                def probs(s_ref, lse, wait_n):
-                    """P of the tile once ``S`` is done (``wait_n`` products may still
-                    run), stored for the dV product."""
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_n)
-                    ok = visible(start, mode)
-                    if ok is not None:
-                        s = jnp.where(ok, s, -jnp.inf)
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
-                    pt[...] = p.astype(dtype)
-                    plgpu.commit_smem()
-                    return p
-
-                def grads(p, dv_ref, dp_ref):
-                    """dV issued; dS formed (while dV runs) and stored."""
-                    plgpu.wgmma(dv_ref, pt.transpose((1, 0)), do_smem.at[slot])
-                    plgpu.barrier_wait(dl_ready.at[slot])
-                    dl = _load(dl_smem.at[slot], ROW, gmem=False)
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP done
-                    ds = p * (dp - lax.broadcast_in_dim(dl, p.shape, [0]))
-                    ds_smem.at[par, wg][...] = ds.astype(dtype)
-                    plgpu.commit_smem()
-
-                def lse_row():
-                    plgpu.barrier_wait(lse_ready.at[slot])
-                    return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
-
-                if config.dv_with_dp:  # S alone, then dP and dV together
-                    def s_fn(s_ref):
-                        plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
-                        return probs(s_ref, lse_row(), 0)
-                    p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
-
-                    def front(refs):
-                        dv_ref, dp_ref = refs
-                        plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
-                        grads(p, dv_ref, dp_ref)
-                    dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                else:  # S and dP together, P formed while dP runs
-                    def front(refs):
-                        dv_ref, s_ref, dp_ref = refs
-                        plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
-                        plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
-                        grads(probs(s_ref, lse_row(), 1), dv_ref, dp_ref)  # dP runs on
-                    dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
-                                                    plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(do_free.at[slot])
-                # both consumers' dS are stored: each multiplies all 2 * bk keys' dS by
-                # half of K's columns
-                plgpu.barrier_arrive(ds_ready.at[par])
-                plgpu.barrier_wait(ds_ready.at[par])
-                cols = pl.ds(pl.multiple_of(wg * half, half), half)
-                zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
-
-                def back(refs):
-                    dk_ref_, dq_ref_ = refs
-                    plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
-                                q_smem.at[slot])
-                    for w in range(2):  # (w_own - wg + w: w, as the step's index)
-                        kk = k_smem.at[w_own - wg + w, :, cols]
-                        plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
-                dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
-                plgpu.barrier_arrive(q_free.at[slot])
-                # the previous step's reduce-add must have read the block before it is
-                # rewritten
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dqw = dq_smem.at[wg]
-                dqw[...] = dq
+            def probs(s_ref, lse, wait_n):
+                """P of the tile once ``S`` is done (``wait_n`` products may still
+                run), stored for the dV product."""
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=wait_n)
+                ok = visible(start, mode)
+                if ok is not None:
+                    s = jnp.where(ok, s, -jnp.inf)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [0]))
+                pt[...] = p.astype(dtype)
                 plgpu.commit_smem()
-                dst = dq_ref.at[b, pl.ds(start, bq), kvh * g + hh]
-                plgpu.copy_smem_to_gmem(dqw, dst.at[:, cols], reduction_op="add")
-                return dk, dv
+                return p
 
-            dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg, classes,
-                                     masked, step, (bk, D))
-            ds_ready_once_more(ds_ready, g, count)
-            store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                       (b, pl.ds(row0, bk), kvh))
+            def grads(p, dv_ref, dp_ref):
+                """dV issued; dS formed (while dV runs) and stored."""
+                plgpu.wgmma(dv_ref, pt.transpose((1, 0)), do_smem.at[slot])
+                plgpu.barrier_wait(dl_ready.at[slot])
+                dl = _load(dl_smem.at[slot], ROW, gmem=False)
+                dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dP done
+                ds = p * (dp - lax.broadcast_in_dim(dl, p.shape, [0]))
+                ds_smem.at[par, wg][...] = ds.astype(dtype)
+                plgpu.commit_smem()
 
-        @pl.when(wg == 2)
-        def _producer():
-            q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (q_ref, do_ref, lse_ref, dl_ref), scoped)
+            def lse_row():
+                plgpu.barrier_wait(lse_ready.at[slot])
+                return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
 
-    n_in = 10 + 2 * has_seg
+            if config.dv_with_dp:  # S alone, then dP and dV together
+                def s_fn(s_ref):
+                    plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
+                    return probs(s_ref, lse_row(), 0)
+                p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
 
-    def entry(*refs):
-        ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
-        dq_ref = refs[n_in]
-        dk_ref, dv_ref = refs[-2:]
-        smem, ready = kv_stationary_scratch(bk, bq, D, stages, dtype)
-        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-        smem += (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
-                 plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
-                 plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
-        pl.run_scoped(
-            lambda sm, rd, fr: kernel(*ins, dq_ref, dk_ref, dv_ref, (sm, rd, fr)),
-            smem, ready,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=2)),
-            collective_axes="wg",
-        )
+                def front(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
+                    grads(p, dv_ref, dp_ref)
+                dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+            else:  # S and dP together, P formed while dP runs
+                def front(refs):
+                    dv_ref, s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
+                    grads(probs(s_ref, lse_row(), 1), dv_ref, dp_ref)  # dP runs on
+                dv, _, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros),
+                                                plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(do_free.at[slot])
+            # both consumers' dS are stored: each multiplies all 2 * bk keys' dS by
+            # half of K's columns
+            plgpu.barrier_arrive(ds_ready.at[par])
+            plgpu.barrier_wait(ds_ready.at[par])
+            cols = pl.ds(pl.multiple_of(wg * half, half), half)
+            zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
 
-    return launch_kv_stationary(entry, [tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos],
-                                q_seg, kv_seg, (B, Lk, Hkv, D), dtype, bk, dq_acc)
+            def back(refs):
+                dk_ref_, dq_ref_ = refs
+                plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
+                            q_smem.at[slot])
+                for w in range(2):  # (w_own - wg + w: w, as the step's index)
+                    kk = k_smem.at[w_own - wg + w, :, cols]
+                    plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
+            dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+            plgpu.barrier_arrive(q_free.at[slot])
+            reduce_add_dq(dq_smem.at[wg], dq, lambda: dq_ref.at[
+                b, pl.ds(start, bq), kvh * g + hh].at[:, cols])
+            return dk, dv
+
+        return step
+
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    extra = (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
+             plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
+             plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
+    return kv_stationary_kernel(
+        make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
+        dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
+        extra_smem=extra)
