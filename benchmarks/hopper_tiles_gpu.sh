@@ -5,7 +5,8 @@
 #   bash benchmarks/hopper_tiles_gpu.sh tune 64      # (MASKS=none,causal PHASES=fwd ... to narrow)
 #   bash benchmarks/hopper_tiles_gpu.sh check RUN    # kernels.py check of the table's configs
 #                                                    # (KERNELS=pallas_mgpu,NAME VARIANTS=NAME:...
-#                                                    # checks a variant beside them)
+#                                                    # checks a variant beside them; CASES=a,b
+#                                                    # narrows the cases)
 #   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
 #   (KERNELS=tokamax_direct,pallas_mgpu,lists VARIANTS=lists:index_tiles=false ... pair RUN
@@ -15,7 +16,8 @@
 #   bash benchmarks/hopper_tiles_gpu.sh breakdown RUN  # kernels.py breakdown: each kernel
 #                                                    # of one fwd+bwd call per backend
 #   bash benchmarks/hopper_tiles_gpu.sh packed RUN   # packed_batch.py at 64k, documents of
-#                                                    # DOC_LENS (4096); VARIANTS as for pair
+#                                                    # DOC_LENS (4096); VARIANTS as for pair;
+#                                                    # PER_KERNEL="call,call" its --kernels
 #
 # The pair, auto and breakdown phases (and check, when KERNELS names tokamax) install
 # tokamax 0.0.17 and its dependencies from wheels carried in .whl/tokamax (the GPU machine
@@ -53,6 +55,7 @@ check)
     variants=()
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
     timeout "${CHECK_S:-300}" python kernels.py --phases check "${variants[@]}" \
+        ${CASES:+--cases "$CASES"} \
         --check-kernels "${KERNELS:-pallas_mgpu}" --dims "${DIMS:-64,128}" \
         --dtypes bfloat16 2>&1 | tee "$OUT/check_$run.log"
     mv "$OUT/kernels_gpu.json" "$OUT/check_$run.json"
@@ -93,6 +96,7 @@ packed)
     variants=()
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
     timeout "${PACKED_S:-560}" python packed_batch.py "${variants[@]}" \
+        ${PER_KERNEL:+--kernels "$PER_KERNEL"} \
         --doc-lens "${DOC_LENS:-4096}" --rounds "${PAIR_ROUNDS:-7}" \
         --device-rounds "${DEVICE_ROUNDS:-5}" 2>&1 | tee "$OUT/packed_$run.log"
     mv "$OUT/packed_batch.json" "$OUT/packed_$run.json"
