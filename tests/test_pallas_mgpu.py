@@ -509,61 +509,6 @@ def test_forward_with_one_producer_warp_lowers(named_free):
         assert f"{i}, 384" not in txt
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 8])
-def test_paired_slots_cover_the_launch_order_once_with_equal_work(n):
-    """``paired_rows``: the ``(n + 1) // 2`` CTAs serve every launch slot exactly once,
-    the p-th longest with the p-th shortest, so on an aligned causal tile (slot ``j``
-    visits ``n - j`` key blocks) each CTA's two query blocks visit ``n + 1`` in all."""
-    served = []
-    for p in range((n + 1) // 2):
-        a, b = pallas_mgpu.paired_slots(p, n)
-        served += [a] if a == b else [a, b]
-        if a != b:
-            assert (n - a) + (n - b) == n + 1
-    assert sorted(served) == list(range(n))
-
-
-@pytest.mark.parametrize("D", [64, 128])
-def test_paired_rows_shared_memory(D):
-    """A paired CTA takes output blocks of its own where they fit, and stays within
-    the budget either way."""
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], paired_rows=True)
-    plain = DEFAULT_MGPU_CONFIGS[D]
-    blocks = 2 * cfg.block_q * D * 2
-    own = pallas_mgpu.forward_out_blocks(cfg, D, "bfloat16")
-    assert forward_smem_bytes(cfg, D, "bfloat16") == (forward_smem_bytes(plain, D, "bfloat16")
-                                                      + blocks * own)
-    assert forward_smem_bytes(cfg, D, "bfloat16") <= SMEM_LIMIT
-    assert not pallas_mgpu.forward_out_blocks(plain, D, "bfloat16")
-    if D == 64:  # 256 keys x 3 stages: 215 KiB, no room for 16 KiB more
-        big = dataclasses.replace(cfg, block_kv=256, num_stages=3)
-        assert not pallas_mgpu.forward_out_blocks(big, D, "bfloat16")
-        assert forward_smem_bytes(big, D, "bfloat16") <= SMEM_LIMIT
-
-
-@pytest.mark.parametrize("tile,causal,seg,T", [
-    (TILE_GENERAL, True, True, 640),   # lists (packed documents), 5 query blocks
-    (TILE_ALIGNED, True, False, 512),  # computed causal blocks
-    (TILE_DENSE, False, False, 512),   # every key block
-])
-@pytest.mark.parametrize("D,own", [(128, True), (64, False)])
-def test_paired_rows_lowers(tile, causal, seg, T, D, own):
-    """``paired_rows``: half the CTAs (rounded up), each running the query-block body
-    twice with the ring running on, with or without output blocks of its own."""
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], paired_rows=True)
-    if not own:  # 256 keys x 3 stages leave no room for output blocks
-        cfg = dataclasses.replace(cfg, block_kv=256, num_stages=3)
-    assert pallas_mgpu.forward_out_blocks(cfg, D, "bfloat16") == own
-    q, kv = SDS((2, T, 4, D), BF16), SDS((2, T, 2, D), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
-    texts = [_lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
-        q, k, v, qp, kp, MaskSpec(causal=causal), 0.1, *s, config=c, tile=tile),
-        q, kv, kv, *pos, *segs) for c in (cfg, dataclasses.replace(cfg, paired_rows=False))]
-    assert all(t.count("mosaic_gpu") >= 1 for t in texts)
-    assert texts[0] != texts[1]
-
-
 @pytest.mark.parametrize("layout,backward", [("zigzag", "q"), ("striped", "kv")])
 def test_ring_with_the_kernel_lowers_for_cuda(layout, backward):
     """Inside a ring (shard_map, ppermute, custom_vjp) the kernel serves every tile."""

@@ -60,8 +60,8 @@ from jax_seqpar.kernels.pallas_gpu_bwd import pallas_bwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported names)
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
-    SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_out_blocks,
-    forward_smem_bytes, paired_slots, SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
+    SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
+    SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
     masked_loops, on_producer_warps, produce_kv, slot_barrier, softmax_update, tile_visible)
 from jax_seqpar.masks import MaskSpec
 
@@ -96,18 +96,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
     slot_threads = WARP_SLOT_THREADS if config.warp_producer else SLOT_THREADS
     no_lists = index in ("dense", "causal")
-    paired = config.paired_rows
-    # a paired CTA with room for output blocks of its own loads its second query blocks
-    # while the first outputs are stored; without, it loads them after
-    own_o = forward_out_blocks(config, D, dtype)
     ROW = plgpu.Layout.WGMMA.reduce(1)
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
 
-    def schedule(tbl_ref, order_ref, b, j):
-        """``(cta, count, n_full, block)`` of launch slot ``j``: its query block, how
-        many key blocks it visits, how many of those first ones need no mask, and the
-        t-th's index."""
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)``: the CTA's query block, how many key blocks
+        it visits, how many of those first ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
         if index == "dense":
             return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
         if index == "causal":
@@ -122,24 +118,12 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
                kvseg_ref, o_ref, lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2, o_smem2), (k_ready, v_ready, q_ready), \
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
             (k_free, v_free), sched = scoped
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        slots = (paired_slots(lax.axis_index("q_seq"), nq) if paired
-                 else (lax.axis_index("q_seq"),))
-
-        def for_items(body):
-            """``body(w, j, base) -> base'`` for the launch slots ``j`` this CTA serves in
-            turn (``w``-th; two if ``paired_rows``, the second unless the middle CTA's),
-            ``base`` counting the key blocks streamed before (the ring's slots and
-            barrier phases run on from one query block to the next)."""
-            base = body(0, slots[0], 0)
-            if paired:
-                @pl.when(slots[1] != slots[0])
-                def _():
-                    body(1, slots[1], base)
+        cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
@@ -161,18 +145,12 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 pl.when(wg == me)(functools.partial(named_barrier, "sync",
                                                     SCHED_BARRIERS[me]))
 
-        def load_q(j):  # a consumer's rows of launch slot j's query block
-            row0 = schedule(tbl_ref, order_ref, b, j)[0] * (2 * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo_smem2.at[wg],
-                                    q_ready.at[wg])
-
-        def consume(w, j, base):
-            """The consumer's part of the ``w``-th query block (launch slot ``j``)."""
-            cta, count, n_full, block = schedule(tbl_ref, order_ref, b, j)
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
             qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
-            if w == 0 or not own_o:  # a second one was loaded during the first's end
-                load_q(j)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
             # the row vectors load while the query block does
             qpos = qseg = None
             if masked and not by_index:
@@ -213,14 +191,11 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                                       extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-            def slot_of(t):  # the ring slot of this query block's t-th key block
-                return lax.rem(base + t, jnp.int32(stages))
-
             def step(t, carry, mode):
                 """One key block; ``mode`` None (fully visible) or the mask tests of
                 ``masked_loops`` (position test?, segment test)."""
                 acc, m, l = carry
-                slot = slot_of(t)
+                slot = lax.rem(t, jnp.int32(stages))
                 inputs = mask_inputs(t, mode) if mode is not None else None
 
                 def qk(acc_ref):
@@ -259,7 +234,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
                     @pl.when(nxt < count)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(nxt)])
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 free_slot("v", v_free, slot)
                 return acc, m_new, l
@@ -270,13 +245,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
             @pl.when(count > 0)
             def _():
-                plgpu.barrier_wait(k_ready.at[slot_of(0)])
-            # consumer 1 starts half a step behind consumer 0, and stays so from a
-            # paired CTA's first query block into its second
-            meet_first = functools.partial(named_barrier, "sync", SCHED_BARRIERS[1]) \
-                if named else rendezvous
-            if w == 0:
-                pl.when(wg == 1)(meet_first)
+                plgpu.barrier_wait(k_ready.at[0])
+            # consumer 1 starts half a step behind consumer 0
+            pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
+                             if named else rendezvous)
             carry = lax.fori_loop(0, n_full, functools.partial(step, mode=None),
                                   (acc0, m0, l0))
             if masked:
@@ -284,52 +256,28 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     tbl_ref, b, cta, n_full, count, has_seg, classes,
                     lambda lo, hi, mode, carry: lax.fori_loop(
                         lo, hi, functools.partial(step, mode=mode), carry), carry)
-            # consumer 0 matches consumer 1's last wait: at the end, or with its first
-            # arrival of the second query block (which lets consumer 1 run its last P V
-            # while consumer 0 starts on the next rows)
-            meet_last = functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1]) \
-                if named else rendezvous
-            if w == 1 or not paired:
-                pl.when(wg == 0)(meet_last)
-            else:
-                pl.when((wg == 0) & (slots[1] == slots[0]))(meet_last)
+            pl.when(wg == 0)(functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
+                             if named else rendezvous)
             acc, m, l = carry
-            if own_o and w == 0:  # every S is done, so the query block is free
-                pl.when(slots[1] != slots[0])(lambda: load_q(slots[1]))
             has = l > 0.0
             l_safe = jnp.where(has, l, 1.0)
-            o_blk = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
             lse_smem = lse_smem2.at[wg]
-            if own_o and w == 1:  # the first query block's stores have read the blocks
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            out = o_smem2.at[wg] if own_o else qo
-            out[...] = o_blk
             lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, o_ref.at[b, pl.ds(row0, bq), h])
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-            if not own_o:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
-            return base + count
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            for_items(consume)
-            if own_o:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def produce_item(w, j, base):
-                _, count, _, block = schedule(tbl_ref, order_ref, b, j)
+            def produce():
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads, base=base)
-                return base + count
-            on_producer_warps(config.warp_producer, lambda: for_items(produce_item))
+                           named_free=named_free, slot_threads=slot_threads)
+            on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
         refs = list(refs)
@@ -344,14 +292,9 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((2, bq), F32))
-        smem += (plgpu.SMEM((2, bq, D), dtype, transforms=swz),) if own_o else ()
-
-        def body(blocks, *rest):
-            blocks = tuple(blocks) + (() if own_o else (None,))
-            kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
-                   kvseg_ref, o_ref, lse_ref, (blocks, *rest))
         pl.run_scoped(
-            body,
+            lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
+                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2)),
@@ -366,7 +309,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(Hq, (nq + 1) // 2 if paired else nq, B),
+        grid=(Hq, nq, B),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",

@@ -27,7 +27,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "paired_rows")
+               "step_descriptors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +117,7 @@ class MgpuConfig:
     thread and the dQ kernel's from 56 to none, but the dK/dV kernel read 3.9% slower
     and the dQ kernel 1.4% faster on packed documents (one run), so off.  The fused
     kernel of ``row_scores`` always indexes so (its spills fell from 1080 to 124 bytes
-    and its time by about a quarter: RESULTS.md).  ``paired_rows`` (forward): each CTA
-    serves two query blocks of the launch order in turn, the j-th longest and the j-th
-    shortest (``paired_slots``), so that the CTAs carry equal work and each pays its
-    start and end once for two blocks: the producer streams the second block's K/V while
-    the consumers finish the first (the ring's slots and barrier phases run on), and
-    the second query block loads while the first's outputs are stored from blocks of
-    their own (``forward_out_blocks``).  Short rows pay that start and end most: on one
-    H100 the forward over 4k-token rows ran 20% slower per tile than over one 64k row,
-    the dK/dV kernel 6% (RESULTS.md).
+    and its time by about a quarter: RESULTS.md).
     """
 
     block_q: int = 64
@@ -150,7 +142,6 @@ class MgpuConfig:
     mask_classes_fwd: bool = True
     row_scores: bool = False
     step_descriptors: bool = False
-    paired_rows: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -212,35 +203,12 @@ FWD_SMEM_EXTRA = 3 * 1024
 
 
 def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one forward CTA: two query/output blocks (two of each where
-    ``forward_out_blocks``), the K and V rings, the two lse rows and
-    ``FWD_SMEM_EXTRA``."""
+    """Shared memory of one forward CTA: two query/output blocks, the K and V rings, the
+    two lse rows and ``FWD_SMEM_EXTRA``."""
     item = jnp.dtype(dtype).itemsize
     q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
-    total = q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
-    if config.paired_rows and total + q_o <= SMEM_LIMIT:
-        total += q_o
-    return total
-
-
-def forward_out_blocks(config: MgpuConfig, head_dim: int, dtype) -> bool:
-    """Whether a ``paired_rows`` forward CTA has room for output blocks of its own beside
-    the query blocks, so that its second query blocks load while the first outputs are
-    stored; without, the outputs leave from the query blocks and the second query
-    blocks load after."""
-    if not config.paired_rows:
-        return False
-    plain = dataclasses.replace(config, paired_rows=False)
-    return forward_smem_bytes(config, head_dim, dtype) > forward_smem_bytes(plain, head_dim,
-                                                                            dtype)
-
-
-def paired_slots(p, n: int):
-    """The launch slots a ``paired_rows`` CTA ``p`` (of ``(n + 1) // 2``) serves: ``(p,
-    n - 1 - p)``, the p-th longest query block and the p-th shortest (the launch order is
-    most tiles first); the middle CTA of an odd ``n`` serves one (both the same)."""
-    return p, n - 1 - p
+    return q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
 
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
@@ -466,23 +434,21 @@ def on_producer_warps(one_warp: bool, produce) -> None:
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free, named_free: bool = False,
-               slot_threads: int = SLOT_THREADS, base=0):
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
     named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
     sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
-    ``v_free``.  Run from the whole producer warpgroup or from one warp of it.  ``base``:
-    the key blocks this CTA streamed before (a ``paired_rows`` CTA's first query block),
-    so that the ring's slots run on."""
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
 
     @pl.loop(0, count)
     def _(t):
-        slot = lax.rem(base + t, jnp.int32(stages))
+        slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
         def wait_free(which, ref):
@@ -491,9 +457,9 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
-        pl.when(base + t >= stages)(lambda: wait_free("k", k_free))
+        pl.when(t >= stages)(lambda: wait_free("k", k_free))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        pl.when(base + t >= stages)(lambda: wait_free("v", v_free))
+        pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
 
