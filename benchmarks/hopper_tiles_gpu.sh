@@ -54,11 +54,13 @@ check)
     case ",${KERNELS:-}," in *,tokamax,*) with_tokamax ;; esac
     variants=()
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
+    status=0  # a run stopped by its limit keeps the cases it checked (saved per case)
     timeout "${CHECK_S:-300}" python kernels.py --phases check "${variants[@]}" \
         ${CASES:+--cases "$CASES"} \
         --check-kernels "${KERNELS:-pallas_mgpu}" --dims "${DIMS:-64,128}" \
-        --dtypes bfloat16 2>&1 | tee "$OUT/check_$run.log"
+        --dtypes bfloat16 2>&1 | tee "$OUT/check_$run.log" || status=$?
     mv "$OUT/kernels_gpu.json" "$OUT/check_$run.json"
+    exit "$status"
     ;;
 pair)
     run=${2:?run name}
