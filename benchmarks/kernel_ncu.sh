@@ -6,7 +6,9 @@
 #
 # kernel_ncu.py calls the kernels twice (the first compiles); ncu skips the first call's
 # kernels and profiles the second's (all named *mosaic_gpu_kernel: this library's and
-# tokamax's).  SECTIONS overrides the default sections; NCU the ncu binary.
+# tokamax's).  SECTIONS overrides the default sections; NCU the ncu binary.  The report's
+# import has a limit too (IMPORT_S, 120 s): after ncu crashed mid-profile on an H200, the
+# command went on until the device call's own limit (RESULTS.md, 2026-11-28).
 set -euo pipefail
 name=${1:?a name for the report}
 shift
@@ -28,10 +30,10 @@ timeout "${NCU_S:-240}" "$NCU" --target-processes all -k regex:mosaic_gpu_kernel
     --launch-skip "$n" --launch-count "$n" "${sections[@]}" -f -o "$OUT/ncu_$name" \
     python kernel_ncu.py "$@" 2>&1 | tail -3
 if [ "${MIX:-0}" = 1 ]; then
-  "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page raw --csv --print-units base \
-      --print-metric-instances details > "$OUT/mix_$name.csv" 2>&1 || true
+  timeout "${IMPORT_S:-120}" "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page raw --csv \
+      --print-units base --print-metric-instances details > "$OUT/mix_$name.csv" 2>&1 || true
 else
-  "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page details --print-units base \
-      > "$OUT/ncu_$name.txt" 2>&1 || true
+  timeout "${IMPORT_S:-120}" "$NCU" --import "$OUT/ncu_$name.ncu-rep" --page details \
+      --print-units base > "$OUT/ncu_$name.txt" 2>&1 || true
 fi
 rm -f "$OUT/ncu_$name.ncu-rep"
