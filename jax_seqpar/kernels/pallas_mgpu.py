@@ -62,7 +62,8 @@ from jax_seqpar.kernels.pallas_mgpu_common import (  # noqa: F401  (re-exported 
     DEFAULT_MGPU_CONFIGS, DTYPES, F32, HEAD_DIMS, LN2, LOG2E, SMEM_LIMIT, MgpuConfig, _load,
     SCHED_BARRIERS, _plgpu, backward_smem_bytes, cta_order, forward_smem_bytes,
     SLOT_THREADS, WARP_SLOT_THREADS, free_barrier, named_barrier, named_barriers_supported,
-    masked_loops, on_producer_warps, produce_kv, slot_barrier, softmax_update, tile_visible)
+    on_producer_warps, produce_kv, row_loops, slot_barrier, softmax_update,
+    tile_visible)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -249,13 +250,8 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             # consumer 1 starts half a step behind consumer 0
             pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
                              if named else rendezvous)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, mode=None),
-                                  (acc0, m0, l0))
-            if masked:
-                carry = masked_loops(
-                    tbl_ref, b, cta, n_full, count, has_seg, classes,
-                    lambda lo, hi, mode, carry: lax.fori_loop(
-                        lo, hi, functools.partial(step, mode=mode), carry), carry)
+            carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked, step,
+                              (acc0, m0, l0))
             pl.when(wg == 0)(functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
                              if named else rendezvous)
             acc, m, l = carry
