@@ -91,8 +91,8 @@ def _unmasked_lists(on: bool):
     if not on:
         yield
         return
-    from jax_seqpar.kernels import pallas_mgpu, pallas_mgpu_bwd
-    real = pallas_mgpu.tile_lists
+    from jax_seqpar.kernels import pallas_mgpu_bwd, pallas_mgpu_fwd
+    real = pallas_mgpu_fwd.tile_lists
 
     def all_full(*args, **kwargs):
         tbl = real(*args, **kwargs)
@@ -100,11 +100,11 @@ def _unmasked_lists(on: bool):
         if kwargs.get("classes"):  # every class empty too: the kernels visit each tile once
             tbl = tbl.at[..., -3:].set(tbl[..., :1])
         return tbl
-    pallas_mgpu.tile_lists = pallas_mgpu_bwd.tile_lists = all_full
+    pallas_mgpu_fwd.tile_lists = pallas_mgpu_bwd.tile_lists = all_full
     try:
         yield
     finally:
-        pallas_mgpu.tile_lists = pallas_mgpu_bwd.tile_lists = real
+        pallas_mgpu_fwd.tile_lists = pallas_mgpu_bwd.tile_lists = real
 
 
 def _cudnn():

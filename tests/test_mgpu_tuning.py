@@ -99,6 +99,10 @@ def test_candidates_fit_and_vary(D):
         tried = {(c.block_kv, c.num_stages) for c in fwd}
         assert (128, 3) not in tried and (192, 2) not in tried and (128, 2) in tried
     assert {c.atomic_dq for c in bwd} == {False, True}
+    # the pipelined forward beside each tiling of at most 128 keys, and only there
+    assert {c.block_kv for c in fwd if c.overlap_fwd} == {c.block_kv for c in fwd} & {64, 128}
+    assert {(c.block_kv, c.num_stages) for c in fwd if c.overlap_fwd} == {
+        (c.block_kv, c.num_stages) for c in fwd if not c.overlap_fwd and c.block_kv <= 128}
 
 
 def test_autotune_ranks_by_the_timer_and_reports_failures():

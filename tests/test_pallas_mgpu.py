@@ -19,14 +19,16 @@ from jax.sharding import AxisType
 
 import jax_seqpar as jsp
 from jax_seqpar.runtime import _compat
-from jax_seqpar.kernels import pallas_mgpu
+from jax_seqpar.kernels import pallas_mgpu, pallas_mgpu_fwd
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
                                      get_kernel)
 from jax_seqpar.kernels.pallas_common import tile_lists
-from jax_seqpar.kernels.pallas_mgpu import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT, MgpuConfig,
-                                            PallasMgpuKernel, backward_smem_bytes,
-                                            causal_blocks, cta_order, forward_smem_bytes,
-                                            index_kind, mgpu_fwd)
+from jax_seqpar.kernels import pallas_mgpu_common as mgpu_common
+from jax_seqpar.kernels.pallas_mgpu import PallasMgpuKernel
+from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT,
+                                                   MgpuConfig, backward_smem_bytes,
+                                                   cta_order, forward_smem_bytes)
+from jax_seqpar.kernels.pallas_mgpu_fwd import causal_blocks, index_kind, mgpu_fwd
 from jax_seqpar.kernels.pallas_mgpu_bwd import mgpu_bwd
 from jax_seqpar.kernels.tiles import TileKernels
 from jax_seqpar.masks import BlockMask, MaskSpec
@@ -204,7 +206,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
     pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
     segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
-    for fcfg in [cfg] + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else []):
+    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
+                 + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else [])):
         fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
                                                             config=fcfg),
                        q, kv, kv, *pos, *segs)
@@ -266,7 +269,7 @@ def _spy_on_lists(module, monkeypatch, kw, seg: bool):
 def test_forward_lists_carry_mask_classes(kw, seg, tile, want, monkeypatch):
     """``MgpuConfig.mask_classes_fwd``: the forward gets class-sorted lists with segment
     ids and ``segment_skip``, on general and aligned tiles alike, and lowers so."""
-    seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu, monkeypatch, kw, seg)
+    seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu_fwd, monkeypatch, kw, seg)
     txt = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
         q, k, v, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg, tile=tile),
         q, q, q, *pos, *segs)
@@ -311,7 +314,7 @@ def test_softmax_update_folds_rows_of_another_document(n_full, fold):
         folded = kind == "fold" and fold
         if kind != "full" and not folded:
             sb = jnp.where(vis[:, blk], sb, -jnp.inf)
-        m, alpha, p = pallas_mgpu.softmax_update(
+        m, alpha, p = mgpu_common.softmax_update(
             sb, m, c, masked=kind != "full",
             row_ok=jnp.asarray(row_ok[b]) if folded else None)
         acc = acc * alpha[:, None] + p @ v[blk]
@@ -369,7 +372,7 @@ def test_tile_visible_is_the_contract_mask(mask, q_axis):
     kp = (9_980 + np.arange(40)).astype(np.int32)
     qs, ks = (np.sort(rng.integers(0, 3, n)).astype(np.int32) for n in (48, 40))
     shape = (48, 40) if q_axis == 0 else (40, 48)
-    got = np.asarray(pallas_mgpu.tile_visible(mask, jnp.asarray(qp), jnp.asarray(kp),
+    got = np.asarray(mgpu_common.tile_visible(mask, jnp.asarray(qp), jnp.asarray(kp),
                                               jnp.asarray(qs), jnp.asarray(ks), q_axis,
                                               shape))
     d = kp[None, :].astype(np.int64) - qp[:, None]
@@ -454,28 +457,56 @@ def test_forward_ping_pong_on_named_barriers():
         texts[named] = _lowered(lambda q, k, v: mgpu_fwd(
             q, k, v, pos, pos, MaskSpec(causal=True), 0.1, config=cfg, tile=TILE_ALIGNED),
             q, q, q)
-    if not pallas_mgpu.named_barriers_supported():
+    if not mgpu_common.named_barriers_supported():
         assert "bar.arrive" not in texts[True]
         return
     for op in ("bar.arrive 4, 256", "bar.arrive 5, 256", "bar.sync 4, 256",
                "bar.sync 5, 256"):
         assert op in texts[True] and op not in texts[False]
     with pytest.raises(ValueError, match="op="):
-        pallas_mgpu.named_barrier("wait", 4)
+        mgpu_common.named_barrier("wait", 4)
+
+
+@pytest.mark.parametrize("tile,causal,seg,D", [
+    (TILE_DENSE, False, False, 128), (TILE_ALIGNED, True, False, 64),
+    (TILE_GENERAL, True, True, 128), (TILE_ALIGNED, True, True, 128)])
+def test_forward_overlap_within_a_consumer(tile, causal, seg, D):
+    """``overlap_fwd``: a step issues ``S`` and the previous ``P V`` and waits for all but
+    the last group (``wait_group 1``); the default forward always waits for all.  Each
+    issue is one ping-pong turn, so both named barriers are synced and arrived on."""
+    T = 384
+    q, kv = SDS((2, T, 4, D), BF16), SDS((2, T, 2, D), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
+    texts = {}
+    for ov in (False, True):
+        cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], overlap_fwd=ov)
+        texts[ov] = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
+            q, k, v, qp, kp, MaskSpec(causal=causal), 0.1, *s, config=cfg, tile=tile),
+            q, kv, kv, *pos, *segs)
+    wait_one = "wgmma.wait_group.sync.aligned 1;"
+    assert wait_one not in texts[False]
+    if not mgpu_common.named_barriers_supported():
+        assert texts[True] == texts[False]  # no named barriers: the unpipelined forward
+        return
+    assert wait_one in texts[True]
+    for op in ("bar.arrive 4, 256", "bar.arrive 5, 256", "bar.sync 4, 256",
+               "bar.sync 5, 256"):
+        assert op in texts[True]
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_forward_frees_ring_slots_on_named_barriers(stages):
     """``named_free``: the consumers arrive (256 threads) and the producer syncs (128)
     on one named barrier per ring slot and operand, above the ping-pong's two."""
-    if not pallas_mgpu.named_barriers_supported():
+    if not mgpu_common.named_barriers_supported():
         pytest.skip("this JAX has no inline PTX in Mosaic GPU kernels")
     q = SDS((1, 512, 2, 64), BF16)
     pos = jnp.arange(512)
     cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[64], num_stages=stages, named_free=True)
     txt = _lowered(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, MaskSpec(causal=True), 0.1,
                                             config=cfg, tile=TILE_ALIGNED), q, q, q)
-    ids = [pallas_mgpu.free_barrier(w, s, stages) for w in "kv" for s in range(stages)]
+    ids = [mgpu_common.free_barrier(w, s, stages) for w in "kv" for s in range(stages)]
     assert sorted(ids) == list(range(6, 6 + 2 * stages))
     for i in ids:
         assert f"bar.arrive {i}, 384" in txt and f"bar.sync {i}, 384" in txt
@@ -489,7 +520,7 @@ def test_forward_frees_ring_slots_on_named_barriers(stages):
             q, q, lse, q)
         assert "bar.arrive" not in btxt
     with pytest.raises(ValueError, match="named barrier"):
-        pallas_mgpu.free_barrier("v", 5, 6)
+        mgpu_common.free_barrier("v", 5, 6)
 
 
 @pytest.mark.parametrize("named_free", [True, False])
@@ -503,8 +534,8 @@ def test_forward_with_one_producer_warp_lowers(named_free):
     txt = _lowered(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, MaskSpec(causal=True), 0.1,
                                             config=cfg), q, q, q)
     assert txt.count("mosaic_gpu") >= 1
-    if named_free and pallas_mgpu.named_barriers_supported():
-        i = pallas_mgpu.free_barrier("k", 0, cfg.num_stages)
+    if named_free and mgpu_common.named_barriers_supported():
+        i = mgpu_common.free_barrier("k", 0, cfg.num_stages)
         assert f"bar.arrive {i}, 288" in txt and f"bar.sync {i}, 288" in txt
         assert f"{i}, 384" not in txt
 

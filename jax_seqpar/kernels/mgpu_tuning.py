@@ -42,7 +42,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
                                                    MgpuConfig, backward_smem_bytes,
                                                    forward_smem_bytes)
 
-FWD_FIELDS = ("block_q", "block_kv", "num_stages")
+FWD_FIELDS = ("block_q", "block_kv", "num_stages", "overlap_fwd")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
               "split_dq", "overlap_bwd", "dv_with_dp")
 MASKS = ("none", "causal", "segments")
@@ -127,13 +127,18 @@ def lookup(gpu: str, dtype: str, head_dim: int, tile: str, mask: str,
 def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
     """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, that fit a
     CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
-    accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers)."""
+    accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers);
+    those of at most 128 keys also with ``overlap_fwd`` (which holds a tile's scores and
+    the last tile's ``P`` at once: at 192 keys and more they would not fit beside the
+    outputs)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     out = []
     for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
         cfg = dataclasses.replace(base, block_kv=bk, num_stages=stages)
         if forward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
             out.append(cfg)
+            if bk <= 128:
+                out.append(dataclasses.replace(cfg, overlap_fwd=True))
     return out
 
 

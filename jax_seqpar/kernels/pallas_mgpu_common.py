@@ -1,8 +1,9 @@
 """What the Hopper (Mosaic GPU) kernels share: configurations, shared-memory budgets,
 the launch order, small loads and the Mosaic GPU import.
 
-``pallas_mgpu.py`` (forward and backend) and ``pallas_mgpu_bwd.py`` (backward) import from
-here, so neither imports the other's module at load time.
+``pallas_mgpu_fwd.py`` (forward) and ``pallas_mgpu_bwd.py`` (backward) import from here, so
+neither imports the other's module at load time; ``pallas_mgpu.py`` (the backend) imports
+all three.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors")
+               "step_descriptors", "overlap_fwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,20 @@ class MgpuConfig:
     and the dQ kernel 1.4% faster on packed documents (one run), so off.  The fused
     kernel of ``row_scores`` always indexes so (its spills fell from 1080 to 124 bytes
     and its time by about a quarter: RESULTS.md).
+    ``overlap_fwd`` (the forward, with ``named_sched``): FlashAttention-3's overlap within
+    one warpgroup (Shah et al., 2024, §3.2, Alg. 2 "intra-warpgroup overlapping"): each
+    step issues the next tile's ``S = Q K^T`` and the previous tile's ``O += P V``
+    together and waits for ``S`` alone (``wgmma_accumulator_load(wait_n=1)``), so a
+    consumer's softmax runs while its own ``P V`` is still on the tensor cores, beside
+    the ping-pong that lets the other consumer's products run then too; ``O`` is rescaled
+    once its ``P V`` is done, as FA3 does at head dims up to 128 (an instruction that
+    writes an operand of a product in flight makes ptxas serialize the products: C7513).
+    The first tile's scores and the last tile's ``P V`` run outside the loop.  Without
+    named barriers (older JAX) the forward runs unpipelined.  On one H200 (2026-11-28)
+    the tuner picked it for D 128 causal tiles (0.6% faster at 16k; 0.8-2.4% on the
+    device clock in three same-run runs at 16k and 64k), not for dense ones (1.6% slower
+    in the tuner, 0.0-2.1% faster in those runs), and packed documents, whose class is
+    not in the table, keep the unpipelined forward (3.6% slower there): RESULTS.md.
     """
 
     block_q: int = 64
@@ -142,6 +157,7 @@ class MgpuConfig:
     mask_classes_fwd: bool = True
     row_scores: bool = False
     step_descriptors: bool = False
+    overlap_fwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -464,16 +480,18 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
 
 def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, masked: bool,
-              step, carry):
+              step, carry, start: int = 0):
     """One tile-list row: ``carry = step(t, carry, mode=...)`` over its unmasked entries,
-    then (``masked``) over each mask class's (``masked_loops``)."""
+    then (``masked``) over each mask class's (``masked_loops``); ``start``: entries before
+    it are left out (run by the caller), whichever loop they belong to."""
     import functools
     from jax import lax
-    carry = lax.fori_loop(0, n_full, functools.partial(step, mode=None), carry)
+    first = (lambda lo: lo) if start == 0 else (lambda lo: jnp.maximum(lo, start))
+    carry = lax.fori_loop(start, n_full, functools.partial(step, mode=None), carry)
     if masked:
         carry = masked_loops(
             tbl_ref, b, row, n_full, count, has_seg, classes,
             lambda lo, hi, mode, carry: lax.fori_loop(
-                lo, hi, functools.partial(step, mode=mode), carry),
+                first(lo), hi, functools.partial(step, mode=mode), carry),
             carry)
     return carry
