@@ -128,9 +128,9 @@ def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfi
     """Forward tiles to try: ``block_kv`` 64-256 keys per stage, 2-4 stages, that fit a
     CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
     accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers);
-    those of at most 128 keys also with ``overlap_fwd`` (which holds a tile's scores and
-    the last tile's ``P`` at once: at 192 keys and more they would not fit beside the
-    outputs)."""
+    those of at most 128 keys also with ``overlap_fwd``, which holds a tile's float32
+    scores, the last tile's ``P`` and the outputs at once: at 192 keys and more that
+    alone is over 200 of a consumer's 232 registers at D 128 (a count, not a run)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     out = []
     for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
