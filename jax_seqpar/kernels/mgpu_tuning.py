@@ -129,8 +129,9 @@ def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfi
     CTA's shared memory (``block_q`` stays 64 rows per consumer: a warpgroup's ``wgmma``
     accumulators of 64 x ``block_kv`` scores and 64 x D outputs fill its registers);
     those of at most 128 keys also with ``overlap_fwd``, which holds a tile's float32
-    scores, the last tile's ``P`` and the outputs at once: at 192 keys and more that
-    alone is over 200 of a consumer's 232 registers at D 128 (a count, not a run)."""
+    scores, the last tile's ``P`` and the outputs at once: 208 of a consumer's 232
+    registers at D 128 and 192 keys, 224 at D 64 and 256 keys (a count, not a run; D 64
+    at 192 keys, 176, is left out with them)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     out = []
     for bk, stages in itertools.product((64, 128, 192, 256), (2, 3, 4)):
