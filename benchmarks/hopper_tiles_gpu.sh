@@ -18,13 +18,17 @@
 #   bash benchmarks/hopper_tiles_gpu.sh packed RUN   # packed_batch.py at 64k, documents of
 #                                                    # DOC_LENS (4096); VARIANTS as for pair;
 #                                                    # PER_KERNEL="call,call" its --kernels
+#   bash benchmarks/hopper_tiles_gpu.sh ptxas RUN    # ptxas's registers, spills and wgmma
+#                                                    # serialization (C7513) per kernel, for
+#                                                    # each config of SETS="a:f=v b:" (b:
+#                                                    # the table's), 4k packed by default
 #
 # The pair, auto and breakdown phases (and check, when KERNELS names tokamax) install
 # tokamax 0.0.17 and its dependencies from wheels carried in .whl/tokamax (the GPU machine
 # has no network) and put an empty stand-in for `xprof` on the path: tokamax imports it at
 # import time for its own benchmarking module only.
 set -euo pipefail
-phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN | packed RUN}
+phase=${1:?tune DIM | check RUN | pair RUN | auto RUN | breakdown RUN | packed RUN | ptxas RUN}
 OUT=$(realpath -m "${OUT:-benchmarks/out}")
 export OUT
 mkdir -p "$OUT"
@@ -102,6 +106,33 @@ packed)
         --doc-lens "${DOC_LENS:-4096}" --rounds "${PAIR_ROUNDS:-7}" \
         --device-rounds "${DEVICE_ROUNDS:-5}" 2>&1 | tee "$OUT/packed_$run.log"
     mv "$OUT/packed_batch.json" "$OUT/packed_$run.json"
+    ;;
+ptxas)  # ptxas's report of each kernel of one call: registers, spills, and whether it
+        # serialized the wgmma pipeline (C7513), per config in SETS="name:field=value,...
+        # name2:..." ("default:" = the table's config); kernel_ncu.py's call, SEQ / MASK /
+        # TILE / FWD_ONLY=1 narrowing it
+    run=${2:?run name}
+    : > "$OUT/ptxas_$run.txt"
+    for spec in ${SETS:-default:}; do
+        name=${spec%%:*}
+        fields=${spec#*:}
+        sets=()
+        IFS=, read -ra pairs <<< "$fields"
+        for f in "${pairs[@]}"; do [ -n "$f" ] && sets+=(--set "$f"); done
+        dump=$(mktemp -d)
+        status=0
+        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dump" timeout "${PTXAS_S:-150}" \
+            python kernel_ncu.py --seq "${SEQ:-4096}" --mask "${MASK:-packed}" \
+            --tile "${TILE:-aligned}" ${FWD_ONLY:+--fwd-only} "${sets[@]}" \
+            > "$dump/call.log" 2>&1 || status=$?
+        {
+            echo "== $name ($fields): kernel_ncu.py exit $status"
+            [ "$status" = 0 ] || tail -5 "$dump/call.log"
+            for f in "$dump"/*.ptxas; do [ -e "$f" ] && { echo "-- $(basename "$f")"; cat "$f"; }; done
+            if grep -qs C7513 "$dump"/*.ptxas; then echo "$name: SERIALIZED (C7513)"; fi
+        } | tee -a "$OUT/ptxas_$run.txt"
+        rm -rf "$dump"
+    done
     ;;
 *)
     echo "unknown phase $phase" >&2
