@@ -184,6 +184,11 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                                       extra=pad)
                 return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
+            def wait_next_k(t):  # while this step's last product runs
+                @pl.when(t + 1 < count)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(stages))])
+
             def step(t, carry, mode):
                 """One key block; ``mode`` None (fully visible) or the mask tests of
                 ``masked_loops`` (position test?, segment test)."""
@@ -223,11 +228,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    nxt = t + 1
-
-                    @pl.when(nxt < count)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                    wait_next_k(t)
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 free_slot("v", v_free, slot)
                 return acc, m_new, l
@@ -246,11 +247,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                                                  row_ok=None if mode is None else inputs[3])
                 l = l * alpha + p.sum(axis=1)
                 return lax.optimization_barrier((m_new, l, p, alpha))
-
-            def wait_next_k(t):
-                @pl.when(t + 1 < count)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(stages))])
 
             def issue_pv(o_ref, p16, t):
                 """``O += P V`` of tile ``t`` issued, once its V block has landed."""
