@@ -59,8 +59,10 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   cta_order, on_producer_warps, produce_kv,
-                                                   row_loops, step_index, tile_visible)
+                                                   compiler_params, cta_order,
+                                                   on_producer_warps, produce_kv,
+                                                   row_loops, step_index, tile_visible,
+                                                   traced)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
@@ -313,14 +315,16 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
             plgpu.set_max_registers(240, action="increase")
             row0 = cta * (2 * bq) + wg * bq
             qw, dow = q_smem.at[wg], do_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qw, q_ready.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(row0, bq), h], dow, q_ready.at[wg])
-            lse = _load(lse_ref.at[b, h, pl.ds(row0, bq)], ROW)
-            dl = _load(dl_ref.at[b, h, pl.ds(row0, bq)], ROW)
-            if masked:
-                qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
-                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
-            plgpu.barrier_wait(q_ready.at[wg])
+            with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qw, q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(row0, bq), h], dow,
+                                        q_ready.at[wg])
+                lse = _load(lse_ref.at[b, h, pl.ds(row0, bq)], ROW)
+                dl = _load(dl_ref.at[b, h, pl.ds(row0, bq)], ROW)
+                if masked:
+                    qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
+                    qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW) if has_seg else None
+                plgpu.barrier_wait(q_ready.at[wg])
 
             def own(t):
                 """This consumer's Q and dO blocks, indexed in step ``t``."""
@@ -380,6 +384,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 return tile_visible(mask if pos else MaskSpec(), qpos, kpos,
                                     qseg if pair else None, kseg, 0, shape, extra=pad)
 
+            @traced("step")
             def step(t, dq, mode):
                 if config.overlap_bwd:
                     return step_overlap(t, dq, mode)
@@ -411,11 +416,14 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 return dq
 
             dq = plgpu.layout_cast(jnp.full((bq, D), 0.0, F32), WGMMA)
-            dq = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked, step, dq)
-            qw[...] = (dq * scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, pl.ds(row0, bq), h])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the block is read
+            with jax.named_scope("dq_rows"):
+                dq = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
+                               step, dq)
+            with jax.named_scope("out"):
+                qw[...] = (dq * scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, pl.ds(row0, bq), h])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the block is read
 
         @pl.when(wg == 2)
         def _producer():
@@ -449,7 +457,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         entry, out_type=out_type,
         grid=(Hq, Lq // (2 * bq), B), grid_names=("heads", "q_seq", "batch"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(),
     )(*args)
 
 

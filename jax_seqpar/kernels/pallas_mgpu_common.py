@@ -254,6 +254,51 @@ def _plgpu():
     return plgpu
 
 
+#: Set to a directory, every Hopper kernel built afterwards records its named regions
+#: (``jax.named_scope`` in the kernel bodies) with Mosaic GPU's on-device profiler and
+#: writes one trace per call there (``compiler_params``); ``benchmarks/kernel_trace.py``
+#: reads them.  Unset, the scopes cost nothing: the kernels are the same.
+TRACE_ENV = "JAX_SEQPAR_MGPU_TRACE"
+#: Ranges (begin and end events) one warpgroup may record in a call; more are dropped.
+TRACE_RANGES_ENV = "JAX_SEQPAR_MGPU_TRACE_RANGES"
+
+
+def compiler_params():
+    """The Mosaic GPU compiler parameters of this package's Hopper kernels: approximate
+    math, and with ``TRACE_ENV`` set (read when a kernel is traced) the on-device
+    profiler, ``TRACE_RANGES_ENV`` ranges per warpgroup (default 64), bounds-checked
+    where JAX has the check (0.11 and later), so that a longer row truncates its trace
+    instead of overrunning shared memory."""
+    import os
+    plgpu = _plgpu()
+    trace_dir = os.environ.get(TRACE_ENV, "")
+    if not trace_dir:
+        return plgpu.CompilerParams(approx_math=True)
+    ranges = int(os.environ.get(TRACE_RANGES_ENV, "64"))
+    if ranges < 1:
+        raise ValueError(f"{TRACE_RANGES_ENV} must be a positive count, got {ranges}")
+    extra = {}
+    if "profile_bounds_check" in {f.name for f in dataclasses.fields(plgpu.CompilerParams)}:
+        extra["profile_bounds_check"] = True  # JAX >= 0.11
+    return plgpu.CompilerParams(approx_math=True, profile_space=ranges,
+                                profile_dir=trace_dir, **extra)
+
+
+def traced(name: str):
+    """A decorator: the function's work is the trace region ``name`` (``TRACE_ENV``)."""
+    import functools
+
+    import jax
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return run
+    return wrap
+
+
 #: The forward's named barriers: Mosaic GPU keeps 0 for the CTA and 1-3 for its
 #: warpgroups' own (``warpgroup_barrier``); a CTA has 16.  Two for the consumers'
 #: ping-pong, then (``named_free``) one per ring slot for K and one for V.

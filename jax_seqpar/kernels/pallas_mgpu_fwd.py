@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -53,8 +54,9 @@ from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (
     F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, WARP_SLOT_THREADS, MgpuConfig, _load,
-    _plgpu, cta_order, free_barrier, named_barrier, named_barriers_supported,
-    on_producer_warps, produce_kv, row_loops, slot_barrier, softmax_update, tile_visible)
+    _plgpu, compiler_params, cta_order, free_barrier, named_barrier,
+    named_barriers_supported, on_producer_warps, produce_kv, row_loops, slot_barrier,
+    softmax_update, tile_visible, traced)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -143,14 +145,15 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             plgpu.set_max_registers(232, action="increase")
             qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
-            # the row vectors load while the query block does
-            qpos = qseg = None
-            if masked and not by_index:
-                qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
-            if masked and has_seg:
-                qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW)
-            plgpu.barrier_wait(q_ready.at[wg])
+            with jax.named_scope("load"):  # trace regions (TRACE_ENV)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
+                # the row vectors load while the query block does
+                qpos = qseg = None
+                if masked and not by_index:
+                    qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
+                if masked and has_seg:
+                    qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW)
+                plgpu.barrier_wait(q_ready.at[wg])
             shape = (bq, bk)
 
             def mask_inputs(t, mode):
@@ -189,6 +192,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(stages))])
 
+            @traced("step")
             def step(t, carry, mode):
                 """One key block; ``mode`` None (fully visible) or the mask tests of
                 ``masked_loops`` (position test?, segment test)."""
@@ -254,6 +258,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.wgmma(o_ref, p16, v_smem.at[slot])
 
+            @traced("first")
             def first_tile():
                 """Tile 0's scores alone (the full mask test: right for any tile)."""
                 mode = (True, "pair" if has_seg else None) if masked else None
@@ -274,6 +279,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             def no_tile():
                 return m0, l0, plgpu.layout_cast(jnp.full((bq, bk), 0, dtype), WGMMA)
 
+            @traced("step")
             def step_overlap(t, carry, mode):
                 """Tile ``t >= 1``: its ``S`` and tile ``t - 1``'s ``P V`` in flight
                 together; its softmax while ``P V`` runs; once ``P V`` is done, ``O``
@@ -301,6 +307,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 free_slot("v", v_free, lax.rem(t - 1, jnp.int32(stages)))
                 return out
 
+            @traced("last")
             def last_pv(acc, p16):
                 def pv(o_ref):
                     o_ref[...] = acc
@@ -312,45 +319,48 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 free_slot("v", v_free, lax.rem(count - 1, jnp.int32(stages)))
                 return acc
 
-            if overlap:
-                # every issue is one turn: consumer 1 gives consumer 0 the first, and
-                # consumer 0 takes consumer 1's last hand-over at the end
-                pl.when(wg == 1)(functools.partial(named_barrier, "arrive",
-                                                   SCHED_BARRIERS[0]))
-                m, l, p16 = lax.cond(count > 0, first_tile, no_tile)
-                acc, m, l, p16 = row_loops(
-                    tbl_ref, b, cta, n_full, count, has_seg, classes, masked, step_overlap,
-                    (acc0, m, l, p16), start=1)
-                acc = lax.cond(count > 0, last_pv, lambda a, _: a, acc, p16)
-                pl.when(wg == 0)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[0]))
-                carry = acc, m, l
-            else:
-                @pl.when(count > 0)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[0])
-                # consumer 1 starts half a step behind consumer 0
-                pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
-                                 if named else rendezvous)
-                carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
-                                  step, (acc0, m0, l0))
-                pl.when(wg == 0)(functools.partial(named_barrier, "arrive",
-                                                   SCHED_BARRIERS[1])
-                                 if named else rendezvous)
-            acc, m, l = carry
-            has = l > 0.0
-            l_safe = jnp.where(has, l, 1.0)
-            qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-            lse_smem = lse_smem2.at[wg]
-            lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
+            with jax.named_scope("rows"):
+                if overlap:
+                    # every issue is one turn: consumer 1 gives consumer 0 the first, and
+                    # consumer 0 takes consumer 1's last hand-over at the end
+                    pl.when(wg == 1)(functools.partial(named_barrier, "arrive",
+                                                       SCHED_BARRIERS[0]))
+                    m, l, p16 = lax.cond(count > 0, first_tile, no_tile)
+                    acc, m, l, p16 = row_loops(
+                        tbl_ref, b, cta, n_full, count, has_seg, classes, masked, step_overlap,
+                        (acc0, m, l, p16), start=1)
+                    acc = lax.cond(count > 0, last_pv, lambda a, _: a, acc, p16)
+                    pl.when(wg == 0)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[0]))
+                    carry = acc, m, l
+                else:
+                    @pl.when(count > 0)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[0])
+                    # consumer 1 starts half a step behind consumer 0
+                    pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
+                                     if named else rendezvous)
+                    carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
+                                      step, (acc0, m0, l0))
+                    pl.when(wg == 0)(functools.partial(named_barrier, "arrive",
+                                                       SCHED_BARRIERS[1])
+                                     if named else rendezvous)
+            with jax.named_scope("out"):
+                acc, m, l = carry
+                has = l > 0.0
+                l_safe = jnp.where(has, l, 1.0)
+                qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+                lse_smem = lse_smem2.at[wg]
+                lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
+            @traced("produce")
             def produce():
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
@@ -391,7 +401,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(),
     )(*args)
 
 

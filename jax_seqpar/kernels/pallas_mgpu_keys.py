@@ -10,10 +10,12 @@ around a consumer's step; the functions before it are its parts.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
-                                                   on_producer_warps, row_loops)
+                                                   compiler_params, on_producer_warps,
+                                                   row_loops, traced)
 
 
 def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
@@ -199,7 +201,7 @@ def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_a
     args, out_type = kernel_io(args, [(shape, dtype)] * 2)
     grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
                 num_threads=3, thread_name="wg")
-    params = plgpu.CompilerParams(approx_math=True)
+    params = compiler_params()
     if dq_acc is None:
         return plgpu.kernel(entry, out_type=out_type, compiler_params=params, **grid)(*args)
     return pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
@@ -241,15 +243,18 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
 
         @pl.when(wg < 2)
         def _consumer():
-            row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b, blk,
-                                          bk, kvh, wg)
-            step = make_step(refs, scoped, cta, row0, kw)
-            dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg, classes,
-                                     masked, step, (bk, D))
-            if split:
-                ds_ready_once_more(free[2], g, count)
-            store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                       (b, pl.ds(row0, bk), kvh))
+            with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
+                row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
+                                              blk, bk, kvh, wg)
+            step = traced("step")(make_step(refs, scoped, cta, row0, kw))
+            with jax.named_scope("dkdv_rows"):
+                dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
+                                         classes, masked, step, (bk, D))
+            with jax.named_scope("out"):
+                if split:
+                    ds_ready_once_more(free[2], g, count)
+                store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
+                           (b, pl.ds(row0, bk), kvh))
 
         @pl.when(wg == 2)
         def _producer():
