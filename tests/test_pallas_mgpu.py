@@ -495,56 +495,6 @@ def test_forward_overlap_within_a_consumer(tile, causal, seg, D):
         assert op in texts[True]
 
 
-def test_paired_rows_slots_and_their_shared_memory():
-    """``paired_rows``: CTA ``p`` serves launch slots ``p`` and ``n - 1 - p`` (most tiles
-    first, so every pair of an aligned causal tile holds ``n + 1`` key blocks); every slot
-    is served once; two more query blocks and lse rows of shared memory."""
-    for n in range(1, 10):
-        served = [mgpu_common.paired_slots(p, n) for p in range((n + 1) // 2)]
-        assert sorted(j for pair in served for j in set(pair)) == list(range(n))
-
-        def blocks(j):  # key blocks of launch slot j on an aligned causal tile
-            return causal_blocks(n - 1 - j, 128, 128, n, False, lambda a, b: a // b, min)[0]
-        work = {blocks(a) + blocks(b) for a, b in served if a != b}
-        assert work <= {n + 1}
-    cfg = DEFAULT_MGPU_CONFIGS[128]
-    plain = mgpu_common.forward_smem_bytes(cfg, 128, jnp.bfloat16)
-    both = mgpu_common.forward_smem_bytes(dataclasses.replace(cfg, paired_rows=True), 128,
-                                          jnp.bfloat16)
-    assert both - plain == 2 * cfg.block_q * 128 * 2 + 2 * cfg.block_q * 4
-    assert both <= SMEM_LIMIT
-    with pytest.raises(ValueError, match="overlap_fwd=False"):
-        MgpuConfig(paired_rows=True, overlap_fwd=True)
-    big = MgpuConfig(block_q=64, block_kv=256, num_stages=3, paired_rows=True)  # D 64's
-    q = SDS((1, 512, 2, 64), BF16)
-    pos = jnp.arange(512)
-    with pytest.raises(ValueError, match="paired_rows=True needs .* bytes of shared memory"):
-        _lowered(lambda q, k, v: mgpu_fwd(q, k, v, pos, pos, MaskSpec(causal=True), 0.1,
-                                          config=big), q, q, q)
-
-
-@pytest.mark.parametrize("tile,causal,window,seg,D,T", [
-    (TILE_ALIGNED, True, None, False, 128, 640),   # computed causal blocks, odd CTA count
-    (TILE_DENSE, False, None, False, 64, 512),     # computed dense blocks
-    (TILE_GENERAL, True, None, True, 128, 384),    # tile lists, segments per pair
-    (TILE_ALIGNED, True, None, True, 128, 512),    # packed: lists, mask classes
-    (TILE_GENERAL, True, (100, 0), False, 64, 300)])  # window, ragged
-def test_paired_forward_lowers(tile, causal, window, seg, D, T):
-    """The paired forward traces and lowers on every kind of tile; the unpaired kernel
-    is unchanged by it (the second block's code is not there)."""
-    q, kv = SDS((2, T, 4, D), BF16), SDS((2, T, 2, D), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
-    texts = {}
-    for paired in (False, True):
-        cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], paired_rows=paired)
-        texts[paired] = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
-            q, k, v, qp, kp, MaskSpec(causal=causal, window=window), 0.1, *s, config=cfg,
-            tile=tile), q, kv, kv, *pos, *segs)
-        assert texts[paired].count("mosaic_gpu") >= 1
-    assert texts[True] != texts[False]
-
-
 @pytest.mark.parametrize("stages", [2, 4])
 def test_forward_frees_ring_slots_on_named_barriers(stages):
     """``named_free``: the consumers arrive (256 threads) and the producer syncs (128)

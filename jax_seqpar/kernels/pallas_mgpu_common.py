@@ -28,7 +28,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "paired_rows")
+               "step_descriptors", "overlap_fwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +133,6 @@ class MgpuConfig:
     device clock in three same-run runs at 16k and 64k), not for dense ones (1.6% slower
     in the tuner, 0.0-2.1% faster in those runs), and packed documents, whose class is
     not in the table, keep the unpipelined forward (3.6% slower there): RESULTS.md.
-    ``paired_rows`` (the unpipelined forward): each CTA serves two query blocks of the
-    launch order in turn, the j-th longest and the j-th shortest (``paired_slots``), so
-    the CTAs carry equal work and pay a CTA's fixed costs once for two blocks: the
-    second query block loads into a second buffer as soon as the first has landed, the
-    producer streams the second block's K/V while the consumers finish the first (the
-    ring's slots and barrier phases run on), the consumers' ping-pong runs on across the
-    boundary, and the first block's output leaves while the second runs.  A trace of
-    each CTA on one H200 (``benchmarks/kernel_trace.py``) found the load of a CTA's
-    query block, its output and the ping-pong's start and end to be what short rows
-    cost, not a cost per tile (RESULTS.md).  It needs shared memory for two more query
-    blocks (``forward_smem_bytes``).
     """
 
     block_q: int = 64
@@ -169,7 +158,6 @@ class MgpuConfig:
     row_scores: bool = False
     step_descriptors: bool = False
     overlap_fwd: bool = False
-    paired_rows: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -178,9 +166,6 @@ class MgpuConfig:
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
-        if self.paired_rows and self.overlap_fwd:
-            raise ValueError("MgpuConfig.paired_rows=True runs the unpipelined forward: set "
-                             "overlap_fwd=False with it")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")
@@ -234,20 +219,12 @@ FWD_SMEM_EXTRA = 3 * 1024
 
 
 def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
-    """Shared memory of one forward CTA: two query/output blocks (four with
-    ``paired_rows``), the K and V rings, the lse rows and ``FWD_SMEM_EXTRA``."""
+    """Shared memory of one forward CTA: two query/output blocks, the K and V rings, the
+    two lse rows and ``FWD_SMEM_EXTRA``."""
     item = jnp.dtype(dtype).itemsize
-    blocks = 2 if config.paired_rows else 1
-    q_o = blocks * 2 * config.block_q * head_dim * item
+    q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
-    return q_o + kv + blocks * 2 * config.block_q * 4 + FWD_SMEM_EXTRA
-
-
-def paired_slots(p, n: int):
-    """The launch slots a ``paired_rows`` CTA ``p`` (of ``(n + 1) // 2``) serves: ``(p,
-    n - 1 - p)``, the p-th longest query block and the p-th shortest (the launch order is
-    most tiles first); the middle CTA of an odd ``n`` serves one (both the same)."""
-    return p, n - 1 - p
+    return q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
 
 
 def backward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
@@ -518,26 +495,21 @@ def on_producer_warps(one_warp: bool, produce) -> None:
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free, named_free: bool = False,
-               slot_threads: int = SLOT_THREADS, base=0):
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
     named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
     sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
-    ``v_free``.  Run from the whole producer warpgroup or from one warp of it.  ``base``:
-    the key blocks this CTA streamed before (a ``paired_rows`` CTA's first query block),
-    so that the ring's slots run on."""
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
 
-    def streamed(t):  # key blocks this CTA has streamed before the t-th of this row
-        return t if isinstance(base, int) and base == 0 else base + t
-
     @pl.loop(0, count)
     def _(t):
-        slot = lax.rem(streamed(t), jnp.int32(stages))
+        slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
         def wait_free(which, ref):
@@ -546,9 +518,9 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
-        pl.when(streamed(t) >= stages)(lambda: wait_free("k", k_free))
+        pl.when(t >= stages)(lambda: wait_free("k", k_free))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        pl.when(streamed(t) >= stages)(lambda: wait_free("v", v_free))
+        pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
 

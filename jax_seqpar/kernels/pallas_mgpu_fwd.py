@@ -53,10 +53,10 @@ from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (
-    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, SMEM_LIMIT, WARP_SLOT_THREADS, MgpuConfig,
-    _load, _plgpu, compiler_params, cta_order, forward_smem_bytes, free_barrier,
-    named_barrier, named_barriers_supported, on_producer_warps, paired_slots, produce_kv,
-    row_loops, slot_barrier, softmax_update, tile_visible, traced)
+    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, WARP_SLOT_THREADS, MgpuConfig, _load,
+    _plgpu, compiler_params, cta_order, free_barrier, named_barrier,
+    named_barriers_supported, on_producer_warps, produce_kv, row_loops, slot_barrier,
+    softmax_update, tile_visible, traced)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -79,20 +79,12 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     g = Hq // Hkv
     dtype = q.dtype
     bq, bk, stages = config.block_q, config.block_kv, config.num_stages
-    if config.paired_rows and forward_smem_bytes(config, D, dtype) > SMEM_LIMIT:
-        raise ValueError(
-            f"MgpuConfig.paired_rows=True needs {forward_smem_bytes(config, D, dtype)} bytes "
-            f"of shared memory at head dim {D} with block_kv={bk} x num_stages={stages}, "
-            f"over the {SMEM_LIMIT} a forward CTA may take: use fewer stages or keys")
     has_seg = q_seg is not None
     c = scale * LOG2E
     pad_keys = Tk % bk != 0
     nq, nk = Lq // (2 * bq), -(-Tk // bk)
     by_index = index is not None  # masks from indices, positions never read
     named = config.named_sched and named_barriers_supported()
-    if config.paired_rows and not named:
-        raise ValueError("MgpuConfig.paired_rows=True runs its ping-pong on named barriers: "
-                         "it needs named_sched=True and JAX >= 0.11")
     named_free = config.named_free and named_barriers_supported()
     overlap = config.overlap_fwd and named
     if named_free:
@@ -103,13 +95,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
 
-    paired = config.paired_rows
-    items = 2 if paired else 1  # query blocks a CTA serves in turn
-
-    def schedule(tbl_ref, order_ref, b, j):
-        """``(cta, count, n_full, block)`` of launch slot ``j``: its query block, how
-        many key blocks it visits, how many of those first ones need no mask, and the
-        t-th's index."""
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)``: the CTA's query block, how many key blocks
+        it visits, how many of those first ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
         if index == "dense":
             return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
         if index == "causal":
@@ -129,34 +118,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        slots = (paired_slots(lax.axis_index("q_seq"), nq) if paired
-                 else (lax.axis_index("q_seq"),))
-        second = slots[1] != slots[0] if paired else None
-        first = schedule(tbl_ref, order_ref, b, slots[0])
-
-        def schedule_of(w, j):
-            return first if w == 0 else schedule(tbl_ref, order_ref, b, j)
-
-        def for_items(body):
-            """``body(w, j, base) -> base'`` for the launch slots ``j`` this CTA serves in
-            turn (the ``w``-th; with ``paired_rows`` two, the second unless the middle
-            CTA's), ``base`` counting the key blocks streamed before (so the ring's slots
-            and barrier phases run on from one query block to the next)."""
-            base = body(0, slots[0], 0)
-            if paired:
-                @pl.when(second)
-                def _():
-                    body(1, slots[1], base)
-
-        def qbuf(w):  # this consumer's query (then output) block of item w
-            return qo_smem2.at[wg] if w == 0 else qo_smem2.at[2 + wg]
-
-        def q_bar(w):
-            return q_ready.at[wg] if w == 0 else q_ready.at[2 + wg]
-
-        def load_q(w, j):  # issue the load of this consumer's rows of slot j's query block
-            row0 = schedule_of(w, j)[0] * (2 * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qbuf(w), q_bar(w))
+        cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
@@ -178,30 +140,21 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 pl.when(wg == me)(functools.partial(named_barrier, "sync",
                                                     SCHED_BARRIERS[me]))
 
-        def consume(w, j, base):
-            """A consumer's part of its ``w``-th query block (launch slot ``j``):
-            ``base + count``."""
-            cta, count, n_full, block = schedule_of(w, j)
-            qo = qbuf(w)
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
             with jax.named_scope("load"):  # trace regions (TRACE_ENV)
-                if w == 0:  # a second one was issued once the first had landed
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_bar(w))
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
                 # the row vectors load while the query block does
                 qpos = qseg = None
                 if masked and not by_index:
                     qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
                 if masked and has_seg:
                     qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW)
-                plgpu.barrier_wait(q_bar(w))
-                if paired and w == 0:
-                    pl.when(second)(functools.partial(load_q, 1, slots[1]))
+                plgpu.barrier_wait(q_ready.at[wg])
             shape = (bq, bk)
-
-            def slot_of(t):  # the ring slot of this query block's t-th key block
-                if w == 0:
-                    return 0 if isinstance(t, int) and t == 0 else lax.rem(t, jnp.int32(stages))
-                return lax.rem(base + t, jnp.int32(stages))
 
             def mask_inputs(t, mode):
                 """What the t-th tile's mask reads, loaded before its scores exist: the
@@ -237,14 +190,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             def wait_next_k(t):  # while this step's last product runs
                 @pl.when(t + 1 < count)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(t + 1)])
+                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(stages))])
 
             @traced("step")
             def step(t, carry, mode):
                 """One key block; ``mode`` None (fully visible) or the mask tests of
                 ``masked_loops`` (position test?, segment test)."""
                 acc, m, l = carry
-                slot = slot_of(t)
+                slot = lax.rem(t, jnp.int32(stages))
                 inputs = mask_inputs(t, mode) if mode is not None else None
 
                 def qk(acc_ref):
@@ -382,56 +335,37 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 else:
                     @pl.when(count > 0)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(0)])
-                    # consumer 1 starts half a step behind consumer 0, and stays so from a
-                    # paired CTA's first query block into its second
-                    if w == 0:
-                        pl.when(wg == 1)(functools.partial(named_barrier, "sync",
-                                                           SCHED_BARRIERS[1])
-                                         if named else rendezvous)
+                        plgpu.barrier_wait(k_ready.at[0])
+                    # consumer 1 starts half a step behind consumer 0
+                    pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
+                                     if named else rendezvous)
                     carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
                                       step, (acc0, m0, l0))
-                    # consumer 0 matches consumer 1's last wait: at the end, or with its
-                    # first arrival of the second query block
-                    meet_last = (functools.partial(named_barrier, "arrive", SCHED_BARRIERS[1])
-                                 if named else rendezvous)
-                    if w == 0 and paired:
-                        pl.when((wg == 0) & jnp.logical_not(second))(meet_last)
-                    else:
-                        pl.when(wg == 0)(meet_last)
+                    pl.when(wg == 0)(functools.partial(named_barrier, "arrive",
+                                                       SCHED_BARRIERS[1])
+                                     if named else rendezvous)
             with jax.named_scope("out"):
                 acc, m, l = carry
                 has = l > 0.0
                 l_safe = jnp.where(has, l, 1.0)
                 qo[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-                lse_smem = lse_smem2.at[wg] if w == 0 else lse_smem2.at[2 + wg]
+                lse_smem = lse_smem2.at[wg]
                 lse_smem[...] = jnp.where(has, m * LN2 + jnp.log(l_safe), -jnp.inf)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-                if not paired:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
-            return count if w == 0 else base + count
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            for_items(consume)
-            if paired:  # every block's stores have read their blocks
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
             @traced("produce")
-            def produce(w, j, base):
-                _, count, _, block = schedule_of(w, j)
+            def produce():
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads, base=base)
-                return count if w == 0 else base + count
-            on_producer_warps(config.warp_producer, lambda: for_items(produce))
+                           named_free=named_free, slot_threads=slot_threads)
+            on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
         refs = list(refs)
@@ -442,16 +376,16 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         o_ref, lse_ref = refs
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2 * items, bq, D), dtype, transforms=swz),
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
-                plgpu.SMEM((2 * items, bq), F32))
+                plgpu.SMEM((2, bq), F32))
         pl.run_scoped(
             lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
                                    kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=2 * items)),
+             plgpu.Barrier(num_barriers=2)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -463,7 +397,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(Hq, (nq + 1) // 2 if paired else nq, B),
+        grid=(Hq, nq, B),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
