@@ -1,6 +1,6 @@
-"""Where a Hopper forward's SM time goes, CTA by CTA (issue 41): the forward kernel run
-with Mosaic GPU's on-device profiler (``pallas_mgpu_common.TRACE_ENV``), its regions
-read back and summed per phase.
+"""Where a Hopper kernel's SM time goes, CTA by CTA (issue 41): the forward (or the
+backward's two kernels) run with Mosaic GPU's on-device profiler
+(``pallas_mgpu_common.TRACE_ENV``), its regions read back and summed per phase.
 
 Each warpgroup of each CTA records the cycle counter of its SM (``%clock``) at the start
 and end of the forward's named regions: the consumers' ``load`` (the query block's load),
@@ -20,7 +20,11 @@ timer at its start.  From those, per case:
 Cases (H 16, D 128, bf16, causal, the tile an aligned call states): ``row``, one row of
 64k tokens; ``rows``, sixteen rows of 4k; ``packed``, 64k tokens in log-normal documents
 around 4k (issue 41's bar).  The same calls without the profiler are timed beside, so
-the profiler's own cost shows.
+the profiler's own cost shows.  Most of that cost is each CTA copying its trace buffer
+out at its end, which lands in the gaps between CTAs and grows with the buffer:
+``--ranges`` runs each case with several buffer sizes, so the gap can be read at zero
+(a straight-line fit, by hand: RESULTS.md).  The phases assume one query (or key) block
+per CTA, as the kernels run it.
 
     python benchmarks/kernel_trace.py --cases row,rows,packed [--set overlap_fwd=false]
     python benchmarks/kernel_trace.py --kernels bwd --cases rows --ranges 0,300
@@ -106,15 +110,12 @@ def block_phases(block, consumers=(0, 1)):
     t_end = max(rel(e[2]) for e in events)
     regs = [_regions(block["wg"][w]) for w in consumers]
 
-    def span(name, edge, pick):
-        vals = [rel(r[name][0 if edge == 0 else -1][edge]) for r in regs if r.get(name)]
-        return pick(vals) if vals else None
     step_names = ("first", "step", "last")
 
     def steps_of(r):
         return sorted((rel(b), rel(e)) for nm in step_names for b, e in r.get(nm, []))
     all_steps = [steps_of(r) for r in regs]
-    q_end = span("load", 1, max)
+    q_end = max((rel(r["load"][-1][1]) for r in regs if r.get("load")), default=None)
     s_begin = min((s[0][0] for s in all_steps if s), default=None)
     s_end = max((s[-1][1] for s in all_steps if s), default=None)
     ph = dict.fromkeys(PHASES[:4], 0)

@@ -9,8 +9,11 @@ all three.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 
+import jax
 import jax.numpy as jnp
 
 from jax_seqpar.runtime import _compat
@@ -269,7 +272,6 @@ def compiler_params():
     profiler, ``TRACE_RANGES_ENV`` ranges per warpgroup (default 64), bounds-checked
     where JAX has the check (0.11 and later), so that a longer row truncates its trace
     instead of overrunning shared memory."""
-    import os
     plgpu = _plgpu()
     trace_dir = os.environ.get(TRACE_ENV, "")
     if not trace_dir:
@@ -286,10 +288,6 @@ def compiler_params():
 
 def traced(name: str):
     """A decorator: the function's work is the trace region ``name`` (``TRACE_ENV``)."""
-    import functools
-
-    import jax
-
     def wrap(fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
@@ -529,7 +527,6 @@ def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, mask
     """One tile-list row: ``carry = step(t, carry, mode=...)`` over its unmasked entries,
     then (``masked``) over each mask class's (``masked_loops``); ``start``: entries before
     it are left out (run by the caller), whichever loop they belong to."""
-    import functools
     from jax import lax
     first = (lambda lo: lo) if start == 0 else (lambda lo: jnp.maximum(lo, start))
     carry = lax.fori_loop(start, n_full, functools.partial(step, mode=None), carry)
