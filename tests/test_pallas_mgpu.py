@@ -206,7 +206,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
     pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
     segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
-    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
+    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True),
+                  dataclasses.replace(cfg, stationary_first=True)]
                  + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else [])):
         fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
                                                             config=fcfg),
@@ -226,11 +227,14 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=True, warp_producer_bwd=True),
                 dict(atomic_dq=False, step_descriptors=True),
                 dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
-                     step_descriptors=True)] + (
+                     step_descriptors=True),
+                dict(atomic_dq=False, stationary_first=True),
+                dict(atomic_dq=True, stationary_first=True)] + (
         [dict(atomic_dq=True, split_dq=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False)]
+         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False),
+         dict(atomic_dq=True, split_dq=True, row_scores=True, stationary_first=True)]
         if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
@@ -574,3 +578,62 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
     assert kern.config_for(64, "bfloat16", MaskSpec(), False, TILE_DENSE) == \
         dataclasses.replace(tuned, atomic_dq=False, block_kv_dq=64)
+
+
+def _copies_by_warpgroup(monkeypatch, trace):
+    """Trace ``trace()`` recording each kernel's TMA loads by warpgroup: a list, per
+    kernel, of ``(consumer copies, producer copies)``, each copy as ``(shape of the
+    global operand, shape of the shared-memory block)``.  A consumer's trace starts with
+    its ``setmaxnreg`` increase, the producer's with its decrease."""
+    plgpu = mgpu_common._plgpu()
+    kernels = []
+    copy, regs = plgpu.copy_gmem_to_smem, plgpu.set_max_registers
+
+    def spy_copy(src, dst, *a, **k):
+        kernels[-1][-1].append((tuple(getattr(src, "ref", src).shape), tuple(dst.shape)))
+        return copy(src, dst, *a, **k)
+
+    def spy_regs(n, action):
+        if action == "increase":
+            kernels.append(([], ))
+        else:
+            kernels[-1] = kernels[-1] + ([],)
+        return regs(n, action=action)
+    monkeypatch.setattr(plgpu, "copy_gmem_to_smem", spy_copy)
+    monkeypatch.setattr(plgpu, "set_max_registers", spy_regs)
+    trace()
+    return kernels
+
+
+@pytest.mark.parametrize("stationary_first", [False, True])
+def test_stationary_blocks_are_loaded_before_the_ring(stationary_first, monkeypatch):
+    """``stationary_first``: the producer starts the consumers' own blocks (forward: Q;
+    dK/dV: K and V; dQ: Q and dO) before its ring's, and the consumers start none."""
+    T = 512
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], stationary_first=stationary_first)
+    q, kv = SDS((1, T, 4, 128), BF16), SDS((1, T, 2, 128), BF16)
+    pos, lse = [SDS((T,), jnp.int32)] * 2, SDS((1, 4, T), jnp.float32)
+    mask = MaskSpec(causal=True)
+
+    def trace():
+        jax.jit(lambda q, k, v, a, b: mgpu_fwd(q, k, v, a, b, mask, 0.1, config=cfg)
+                ).trace(q, kv, kv, *pos).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda q, k, v, o, l, do, a, b: mgpu_bwd(q, k, v, o, l, do, a, b, mask, 0.1,
+                                                        config=cfg)
+                ).trace(q, kv, kv, q, lse, q, *pos).lower(lowering_platforms=("cuda",))
+    fwd, dkdv, dq = _copies_by_warpgroup(monkeypatch, trace)
+    Q, KV = (1, T, 4, 128), (1, T, 2, 128)
+    bq, bk = cfg.block_q, cfg.block_kv_bwd
+    ring = {"fwd": [(KV, (cfg.block_kv, 128))] * 2,
+            "dkdv": [(Q, (cfg.block_q_bwd, 128)), ((1, 4, T), (cfg.block_q_bwd,)),
+                     ((1, 4, T), (cfg.block_q_bwd,)), (Q, (cfg.block_q_bwd, 128))],
+            "dq": [(KV, (cfg.block_kv_dq, 128))] * 2}
+    own = {"fwd": [(Q, (bq, 128))], "dkdv": [(KV, (bk, 128))] * 2,
+           "dq": [(Q, (cfg.block_q_bwd, 128))] * 2}
+    for name, (consumer, producer) in zip(("fwd", "dkdv", "dq"), (fwd, dkdv, dq)):
+        if stationary_first:
+            assert consumer == [], name
+            assert producer == own[name] * 2 + ring[name], name
+        else:
+            assert consumer == own[name], name
+            assert producer == ring[name], name

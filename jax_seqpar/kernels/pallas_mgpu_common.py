@@ -31,7 +31,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd")
+               "step_descriptors", "overlap_fwd", "stationary_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,13 @@ class MgpuConfig:
     device clock in three same-run runs at 16k and 64k), not for dense ones (1.6% slower
     in the tuner, 0.0-2.1% faster in those runs), and packed documents, whose class is
     not in the table, keep the unpipelined forward (3.6% slower there): RESULTS.md.
+    ``stationary_first`` (forward, dQ, dK/dV): the producer starts the TMA copies of the
+    consumers' stationary blocks (Q in the forward, Q and dO in the dQ kernel, K and V
+    in the key-stationary ones) before those of its ring, as FlashAttention-3's producer
+    loads Q first.  Without it each consumer starts its own after ``setmaxnreg``, which
+    waits for the producer's, so the ring's first stages are in flight first: a trace of
+    each CTA (RESULTS.md) read a consumer's first wait at 2,700-5,300 cycles, about what
+    the SM takes in of the ring and its blocks at the start's 53 bytes a cycle.
     """
 
     block_q: int = 64
@@ -161,6 +168,7 @@ class MgpuConfig:
     row_scores: bool = False
     step_descriptors: bool = False
     overlap_fwd: bool = False
+    stationary_first: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:

@@ -103,17 +103,32 @@ def kv_cta(tbl_ref, order_ref, masked: bool):
     return b, kvh, blk, wg, count, n_full
 
 
-def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, wg):
-    """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
-    blocks into shared memory, waited for: ``(row0, kw, vw)``, the first key's row and
-    the blocks' views."""
+def copy_kv_blocks(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, w):
+    """Start the TMA copies of consumer ``w``'s ``bk`` keys' K and V blocks, both arriving
+    on ``kv_ready[w]``: ``(row0, kw, vw)``, the first key's row and the blocks' views."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
+    row0 = blk * (2 * bk) + w * bk
+    kw, vw = k_smem.at[w], v_smem.at[w]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[w])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[w])
+    return row0, kw, vw
+
+
+def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, wg,
+                   copies: bool = True):
+    """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
+    blocks into shared memory (started here, or by the producer if not ``copies``:
+    ``MgpuConfig.stationary_first``), waited for: ``(row0, kw, vw)``, the first key's row
+    and the blocks' views."""
+    plgpu = _plgpu()
     plgpu.set_max_registers(240, action="increase")
-    row0 = blk * (2 * bk) + wg * bk
-    kw, vw = k_smem.at[wg], v_smem.at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
+    if copies:
+        row0, kw, vw = copy_kv_blocks(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
+                                      kvh, wg)
+    else:
+        row0 = blk * (2 * bk) + wg * bk
+        kw, vw = k_smem.at[wg], v_smem.at[wg]
     plgpu.barrier_wait(kv_ready.at[wg])
     return row0, kw, vw
 
@@ -158,17 +173,22 @@ def reduce_add_dq(dqw, dq, dst) -> None:
 
 
 def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs,
-                    scoped) -> None:
-    """The producer warpgroup: registers given back, then ``produce_q_ring`` from one warp
-    or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in global
-    memory; ``scoped``: the kernel's ``(smem, ready, free)`` as ``kv_stationary_scratch``
-    orders them (the rings at 2-5, their barriers at 1-4, the two "read" barriers
-    first)."""
+                    scoped, first=None) -> None:
+    """The producer warpgroup: registers given back, then ``first()`` (if given: the
+    consumers' own blocks, ``MgpuConfig.stationary_first``) and ``produce_q_ring`` from
+    one warp or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in
+    global memory; ``scoped``: the kernel's ``(smem, ready, free)`` as
+    ``kv_stationary_scratch`` orders them (the rings at 2-5, their barriers at 1-4, the
+    two "read" barriers first)."""
     smem, ready, free = scoped
     _plgpu().set_max_registers(24, action="decrease")
-    on_producer_warps(one_warp, lambda: produce_q_ring(
-        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
-        tuple(ready[1:5]), tuple(free[:2])))
+
+    def produce():
+        if first is not None:
+            first()
+        produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
+                       tuple(ready[1:5]), tuple(free[:2]))
+    on_producer_warps(one_warp, produce)
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
@@ -245,7 +265,8 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
         def _consumer():
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
-                                              blk, bk, kvh, wg)
+                                              blk, bk, kvh, wg,
+                                              copies=not config.stationary_first)
             step = traced("step")(make_step(refs, scoped, cta, row0, kw))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
@@ -258,8 +279,13 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
 
         @pl.when(wg == 2)
         def _producer():
+            def first():  # both consumers' K and V blocks before the ring
+                for w in (0, 1):
+                    copy_kv_blocks(k_ref, v_ref, smem[0], smem[1], ready[0], b, blk, bk,
+                                   kvh, w)
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
+                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped,
+                            first=first if config.stationary_first else None)
 
     n_in = 10 + 2 * has_seg
 
