@@ -228,8 +228,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=False, step_descriptors=True),
                 dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
                      step_descriptors=True),
-                dict(atomic_dq=False, stationary_first=True),
-                dict(atomic_dq=True, stationary_first=True)] + (
+                dict(atomic_dq=False, stationary_first=True, store_wait_read=True),
+                dict(atomic_dq=True, stationary_first=True, store_wait_read=True)] + (
         [dict(atomic_dq=True, split_dq=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
@@ -582,16 +582,22 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
 
 def _copies_by_warpgroup(monkeypatch, trace):
     """Trace ``trace()`` recording each kernel's TMA loads by warpgroup: a list, per
-    kernel, of ``(consumer copies, producer copies)``, each copy as ``(shape of the
-    global operand, shape of the shared-memory block)``.  A consumer's trace starts with
-    its ``setmaxnreg`` increase, the producer's with its decrease."""
+    kernel, of ``(consumer, producer)``, each a list of its copies, as ``(shape of the
+    global operand, shape of the shared-memory block)``, and (the producer's) its waits
+    on shared-memory barriers, as ``"wait"``.  A consumer's trace starts with its
+    ``setmaxnreg`` increase, the producer's with its decrease."""
     plgpu = mgpu_common._plgpu()
     kernels = []
-    copy, regs = plgpu.copy_gmem_to_smem, plgpu.set_max_registers
+    copy, regs, wait = plgpu.copy_gmem_to_smem, plgpu.set_max_registers, plgpu.barrier_wait
 
     def spy_copy(src, dst, *a, **k):
         kernels[-1][-1].append((tuple(getattr(src, "ref", src).shape), tuple(dst.shape)))
         return copy(src, dst, *a, **k)
+
+    def spy_wait(*a, **k):
+        if kernels and len(kernels[-1]) == 2:
+            kernels[-1][-1].append("wait")
+        return wait(*a, **k)
 
     def spy_regs(n, action):
         if action == "increase":
@@ -601,39 +607,41 @@ def _copies_by_warpgroup(monkeypatch, trace):
         return regs(n, action=action)
     monkeypatch.setattr(plgpu, "copy_gmem_to_smem", spy_copy)
     monkeypatch.setattr(plgpu, "set_max_registers", spy_regs)
+    monkeypatch.setattr(plgpu, "barrier_wait", spy_wait)
     trace()
     return kernels
 
 
-@pytest.mark.parametrize("stationary_first", [False, True])
-def test_stationary_blocks_are_loaded_before_the_ring(stationary_first, monkeypatch):
+def test_stationary_blocks_are_loaded_before_the_ring(monkeypatch):
     """``stationary_first``: the producer starts the consumers' own blocks (forward: Q;
-    dK/dV: K and V; dQ: Q and dO) before its ring's, and the consumers start none."""
+    dK/dV: K and V; dQ: Q and dO), then its ring as before, with one wait more: for the
+    ring's first block, before it starts anything after it; the consumers start none."""
     T = 512
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], stationary_first=stationary_first)
     q, kv = SDS((1, T, 4, 128), BF16), SDS((1, T, 2, 128), BF16)
     pos, lse = [SDS((T,), jnp.int32)] * 2, SDS((1, 4, T), jnp.float32)
     mask = MaskSpec(causal=True)
 
-    def trace():
+    def trace(cfg):
         jax.jit(lambda q, k, v, a, b: mgpu_fwd(q, k, v, a, b, mask, 0.1, config=cfg)
                 ).trace(q, kv, kv, *pos).lower(lowering_platforms=("cuda",))
         jax.jit(lambda q, k, v, o, l, do, a, b: mgpu_bwd(q, k, v, o, l, do, a, b, mask, 0.1,
                                                         config=cfg)
                 ).trace(q, kv, kv, q, lse, q, *pos).lower(lowering_platforms=("cuda",))
-    fwd, dkdv, dq = _copies_by_warpgroup(monkeypatch, trace)
-    Q, KV = (1, T, 4, 128), (1, T, 2, 128)
-    bq, bk = cfg.block_q, cfg.block_kv_bwd
-    ring = {"fwd": [(KV, (cfg.block_kv, 128))] * 2,
-            "dkdv": [(Q, (cfg.block_q_bwd, 128)), ((1, 4, T), (cfg.block_q_bwd,)),
-                     ((1, 4, T), (cfg.block_q_bwd,)), (Q, (cfg.block_q_bwd, 128))],
-            "dq": [(KV, (cfg.block_kv_dq, 128))] * 2}
-    own = {"fwd": [(Q, (bq, 128))], "dkdv": [(KV, (bk, 128))] * 2,
-           "dq": [(Q, (cfg.block_q_bwd, 128))] * 2}
-    for name, (consumer, producer) in zip(("fwd", "dkdv", "dq"), (fwd, dkdv, dq)):
-        if stationary_first:
-            assert consumer == [], name
-            assert producer == own[name] * 2 + ring[name], name
-        else:
-            assert consumer == own[name], name
-            assert producer == ring[name], name
+    cfg = DEFAULT_MGPU_CONFIGS[128]
+    before = _copies_by_warpgroup(monkeypatch, lambda: trace(cfg))
+    after = _copies_by_warpgroup(monkeypatch, lambda: trace(
+        dataclasses.replace(cfg, stationary_first=True)))
+    Q, KV, L = (1, T, 4, 128), (1, T, 2, 128), (1, 4, T)
+    bq = cfg.block_q_bwd
+    # the consumers' own blocks, and the ring's first block (what the wait follows)
+    own = {"fwd": [(Q, (cfg.block_q, 128))], "dkdv": [(KV, (cfg.block_kv_bwd, 128))] * 2,
+           "dq": [(Q, (bq, 128))] * 2}
+    first = {"fwd": [(KV, (cfg.block_kv, 128))], "dq": [(KV, (cfg.block_kv_dq, 128))],
+             "dkdv": [(Q, (bq, 128)), (L, (bq,)), (L, (bq,))]}
+    for name, (c0, p0), (c1, p1) in zip(("fwd", "dkdv", "dq"), before, after):
+        assert c0 == own[name] and c1 == [], name
+        copies = [c for c in p0 if c != "wait"]
+        assert copies[:len(first[name])] == first[name], name
+        at = [j for j, c in enumerate(p0) if c != "wait"]
+        i = at[len(first[name]) - 1] + 1  # after the first block's copies
+        assert p1 == own[name] * 2 + p0[:i] + ["wait"] + p0[i:], name

@@ -442,7 +442,7 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                     stationary_copies(1)
                 produce_kv(lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
                            lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready,
-                           v_ready, k_free, v_free)
+                           v_ready, k_free, v_free, first_landed=config.stationary_first)
             on_producer_warps(config.warp_producer_bwd, produce)
 
     def entry(*refs):

@@ -371,7 +371,8 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                             qo_smem2.at[w], q_ready.at[w])
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads)
+                           named_free=named_free, slot_threads=slot_threads,
+                           first_landed=config.stationary_first)
             on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):

@@ -18,14 +18,17 @@ from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    row_loops, traced)
 
 
-def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
+def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
+                   first_landed: bool = False):
     """The producer of a key-stationary backward kernel (dK/dV, the fused one): for each
     of the ``g`` query heads of the GQA group and each of the CTA's ``count`` query
     blocks (the t-th is entry ``t`` of tile-list row ``blk``), the blocks of Q and dO and
     the rows of lse and delta into a ring of ``stages`` slots, each slot's Q (with lse and
     delta) and dO refilled once the consumers have freed it.  ``refs``, ``smem`` and
     ``ready``: (Q, dO, lse, delta) in global memory, their rings and "landed" barriers;
-    ``free``: the (Q, dO) slots' "read" barriers."""
+    ``free``: the (Q, dO) slots' "read" barriers.  ``first_landed``
+    (``MgpuConfig.stationary_first``): the first Q block is waited for before anything
+    more is started."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -51,6 +54,8 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
                                 lse_smem.at[slot], lse_ready.at[slot])
         plgpu.copy_gmem_to_smem(dl_ref.at[b, qh, pl.ds(start, bq)],
                                 dl_smem.at[slot], dl_ready.at[slot])
+        if first_landed:
+            pl.when(j == 0)(lambda: plgpu.barrier_wait(q_ready.at[0]))
 
         @pl.when(j >= stages)
         def _():
@@ -149,16 +154,22 @@ def ds_ready_once_more(ds_ready, g, count) -> None:
         plgpu.barrier_wait(ds_ready.at[nxt])
 
 
-def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows) -> None:
+def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows,
+               read_only: bool = False) -> None:
     """A consumer's dK (times ``scale``) and dV in ``dtype`` through its K and V blocks to
-    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends."""
+    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends, or (with
+    ``read_only``: ``MgpuConfig.store_wait_read``) read out of shared memory before it
+    ends, the writes landing after it as the forward's and the dQ kernel's do."""
     plgpu = _plgpu()
     kw[...] = (dk * scale).astype(dtype)
     vw[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(kw, dk_ref.at[rows])
     plgpu.copy_smem_to_gmem(vw, dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    if read_only:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    else:
+        plgpu.wait_smem_to_gmem(0)
 
 
 def reduce_add_dq(dqw, dq, dst) -> None:
@@ -187,7 +198,7 @@ def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, 
         if first is not None:
             first()
         produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
-                       tuple(ready[1:5]), tuple(free[:2]))
+                       tuple(ready[1:5]), tuple(free[:2]), first_landed=first is not None)
     on_producer_warps(one_warp, produce)
 
 
@@ -275,7 +286,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
                 if split:
                     ds_ready_once_more(free[2], g, count)
                 store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                           (b, pl.ds(row0, bk), kvh))
+                           (b, pl.ds(row0, bk), kvh), read_only=config.store_wait_read)
 
         @pl.when(wg == 2)
         def _producer():
