@@ -206,8 +206,7 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
     pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
     segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
-    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True),
-                  dataclasses.replace(cfg, stationary_first=True)]
+    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
                  + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else [])):
         fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
                                                             config=fcfg),
@@ -227,14 +226,11 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
                 dict(atomic_dq=True, warp_producer_bwd=True),
                 dict(atomic_dq=False, step_descriptors=True),
                 dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
-                     step_descriptors=True),
-                dict(atomic_dq=False, stationary_first=True, store_wait_read=True),
-                dict(atomic_dq=True, stationary_first=True, store_wait_read=True)] + (
+                     step_descriptors=True)] + (
         [dict(atomic_dq=True, split_dq=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, stationary_first=True)]
+         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False)]
         if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
@@ -578,70 +574,3 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
     assert kern.config_for(64, "bfloat16", MaskSpec(), False, TILE_DENSE) == \
         dataclasses.replace(tuned, atomic_dq=False, block_kv_dq=64)
-
-
-def _copies_by_warpgroup(monkeypatch, trace):
-    """Trace ``trace()`` recording each kernel's TMA loads by warpgroup: a list, per
-    kernel, of ``(consumer, producer)``, each a list of its copies, as ``(shape of the
-    global operand, shape of the shared-memory block)``, and (the producer's) its waits
-    on shared-memory barriers, as ``"wait"``.  A consumer's trace starts with its
-    ``setmaxnreg`` increase, the producer's with its decrease."""
-    plgpu = mgpu_common._plgpu()
-    kernels = []
-    copy, regs, wait = plgpu.copy_gmem_to_smem, plgpu.set_max_registers, plgpu.barrier_wait
-
-    def spy_copy(src, dst, *a, **k):
-        kernels[-1][-1].append((tuple(getattr(src, "ref", src).shape), tuple(dst.shape)))
-        return copy(src, dst, *a, **k)
-
-    def spy_wait(*a, **k):
-        if kernels and len(kernels[-1]) == 2:
-            kernels[-1][-1].append("wait")
-        return wait(*a, **k)
-
-    def spy_regs(n, action):
-        if action == "increase":
-            kernels.append(([], ))
-        else:
-            kernels[-1] = kernels[-1] + ([],)
-        return regs(n, action=action)
-    monkeypatch.setattr(plgpu, "copy_gmem_to_smem", spy_copy)
-    monkeypatch.setattr(plgpu, "set_max_registers", spy_regs)
-    monkeypatch.setattr(plgpu, "barrier_wait", spy_wait)
-    trace()
-    return kernels
-
-
-def test_stationary_blocks_are_loaded_before_the_ring(monkeypatch):
-    """``stationary_first``: the producer starts the consumers' own blocks (forward: Q;
-    dK/dV: K and V; dQ: Q and dO), then its ring as before, with one wait more: for the
-    ring's first block, before it starts anything after it; the consumers start none."""
-    T = 512
-    q, kv = SDS((1, T, 4, 128), BF16), SDS((1, T, 2, 128), BF16)
-    pos, lse = [SDS((T,), jnp.int32)] * 2, SDS((1, 4, T), jnp.float32)
-    mask = MaskSpec(causal=True)
-
-    def trace(cfg):
-        jax.jit(lambda q, k, v, a, b: mgpu_fwd(q, k, v, a, b, mask, 0.1, config=cfg)
-                ).trace(q, kv, kv, *pos).lower(lowering_platforms=("cuda",))
-        jax.jit(lambda q, k, v, o, l, do, a, b: mgpu_bwd(q, k, v, o, l, do, a, b, mask, 0.1,
-                                                        config=cfg)
-                ).trace(q, kv, kv, q, lse, q, *pos).lower(lowering_platforms=("cuda",))
-    cfg = DEFAULT_MGPU_CONFIGS[128]
-    before = _copies_by_warpgroup(monkeypatch, lambda: trace(cfg))
-    after = _copies_by_warpgroup(monkeypatch, lambda: trace(
-        dataclasses.replace(cfg, stationary_first=True)))
-    Q, KV, L = (1, T, 4, 128), (1, T, 2, 128), (1, 4, T)
-    bq = cfg.block_q_bwd
-    # the consumers' own blocks, and the ring's first block (what the wait follows)
-    own = {"fwd": [(Q, (cfg.block_q, 128))], "dkdv": [(KV, (cfg.block_kv_bwd, 128))] * 2,
-           "dq": [(Q, (bq, 128))] * 2}
-    first = {"fwd": [(KV, (cfg.block_kv, 128))], "dq": [(KV, (cfg.block_kv_dq, 128))],
-             "dkdv": [(Q, (bq, 128)), (L, (bq,)), (L, (bq,))]}
-    for name, (c0, p0), (c1, p1) in zip(("fwd", "dkdv", "dq"), before, after):
-        assert c0 == own[name] and c1 == [], name
-        copies = [c for c in p0 if c != "wait"]
-        assert copies[:len(first[name])] == first[name], name
-        at = [j for j, c in enumerate(p0) if c != "wait"]
-        i = at[len(first[name]) - 1] + 1  # after the first block's copies
-        assert p1 == own[name] * 2 + p0[:i] + ["wait"] + p0[i:], name

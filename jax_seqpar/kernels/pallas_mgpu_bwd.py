@@ -310,22 +310,15 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         count = tbl_ref[b, cta, 0]
         n_full = tbl_ref[b, cta, 1] if masked else count
 
-        def stationary_copies(w):  # consumer w's Q and dO blocks, from the producer
-            rows = (b, pl.ds(cta * (2 * bq) + w * bq, bq), h)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[w], q_ready.at[w])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[w], q_ready.at[w])
-
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(240, action="increase")
             row0 = cta * (2 * bq) + wg * bq
             qw, dow = q_smem.at[wg], do_smem.at[wg]
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
-                if not config.stationary_first:  # else the producer has started them
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qw,
-                                            q_ready.at[wg])
-                    plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(row0, bq), h], dow,
-                                            q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qw, q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(row0, bq), h], dow,
+                                        q_ready.at[wg])
                 lse = _load(lse_ref.at[b, h, pl.ds(row0, bq)], ROW)
                 dl = _load(dl_ref.at[b, h, pl.ds(row0, bq)], ROW)
                 if masked:
@@ -435,15 +428,10 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(24, action="decrease")
-
-            def produce():
-                if config.stationary_first:  # both consumers' blocks, then the ring
-                    stationary_copies(0)
-                    stationary_copies(1)
-                produce_kv(lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
-                           lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready,
-                           v_ready, k_free, v_free, first_landed=config.stationary_first)
-            on_producer_warps(config.warp_producer_bwd, produce)
+            on_producer_warps(config.warp_producer_bwd, lambda: produce_kv(
+                lambda t: tbl_ref[b, cta, t + 2], b, count, bk, stages,
+                lax.div(h, jnp.int32(g)), k_ref, v_ref, k_smem, v_smem, k_ready, v_ready,
+                k_free, v_free))
 
     def entry(*refs):
         ins = refs[:12] if has_seg else refs[:10] + (None, None)

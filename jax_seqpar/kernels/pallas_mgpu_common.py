@@ -31,8 +31,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "stationary_first",
-               "store_wait_read")
+               "step_descriptors", "overlap_fwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,19 +136,6 @@ class MgpuConfig:
     device clock in three same-run runs at 16k and 64k), not for dense ones (1.6% slower
     in the tuner, 0.0-2.1% faster in those runs), and packed documents, whose class is
     not in the table, keep the unpipelined forward (3.6% slower there): RESULTS.md.
-    ``stationary_first`` (forward, dQ, dK/dV): the producer starts the TMA copies of the
-    consumers' stationary blocks (Q in the forward, Q and dO in the dQ kernel, K and V
-    in the key-stationary ones) and of its ring's first block (K; Q in the key-stationary
-    kernels), and waits for that block to land before it starts the rest of the ring.
-    Without it each consumer starts its own blocks after ``setmaxnreg``, which waits for
-    the producer's, so the ring's first stages are in flight too, and a trace of each
-    CTA (RESULTS.md) read a consumer's first wait at 2,700-5,300 cycles: about what the
-    SM takes in of the ring and its blocks at the start's 53 bytes a cycle.  Starting
-    the stationary blocks first without the wait left that wait as it was (2,772
-    against 2,812 cycles in the forward), so the copies in flight share the intake.
-    ``store_wait_read`` (the key-stationary kernels): a consumer waits for its dK and dV
-    blocks to be read out of shared memory, not for their writes to land, before the
-    CTA ends (``keys.store_dkdv``), as the forward and the dQ kernel wait.
     """
 
     block_q: int = 64
@@ -175,8 +161,6 @@ class MgpuConfig:
     row_scores: bool = False
     step_descriptors: bool = False
     overlap_fwd: bool = False
-    stationary_first: bool = False
-    store_wait_read: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -509,17 +493,14 @@ def on_producer_warps(one_warp: bool, produce) -> None:
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free, named_free: bool = False,
-               slot_threads: int = SLOT_THREADS, first_landed: bool = False):
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
     named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
     sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
-    ``v_free``.  ``first_landed`` (``MgpuConfig.stationary_first``): the first K block is
-    waited for before anything more is started, so that what the first product reads
-    does not share the SM's intake with the rest of the ring.  Run from the whole
-    producer warpgroup or from one warp of it."""
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -537,8 +518,6 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
         pl.when(t >= stages)(lambda: wait_free("k", k_free))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        if first_landed:
-            pl.when(t == 0)(lambda: plgpu.barrier_wait(k_ready.at[0]))
         pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 

@@ -146,9 +146,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
             with jax.named_scope("load"):  # trace regions (TRACE_ENV)
-                if not config.stationary_first:  # else the producer has started it
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo,
-                                            q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
                 # the row vectors load while the query block does
                 qpos = qseg = None
                 if masked and not by_index:
@@ -364,15 +362,9 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
 
             @traced("produce")
             def produce():
-                if config.stationary_first:  # both consumers' query blocks, then the ring
-                    for w in (0, 1):
-                        plgpu.copy_gmem_to_smem(
-                            q_ref.at[b, pl.ds(cta * (2 * bq) + w * bq, bq), h],
-                            qo_smem2.at[w], q_ready.at[w])
                 produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
                            v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads,
-                           first_landed=config.stationary_first)
+                           named_free=named_free, slot_threads=slot_threads)
             on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):

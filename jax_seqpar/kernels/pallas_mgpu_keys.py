@@ -18,17 +18,14 @@ from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    row_loops, traced)
 
 
-def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
-                   first_landed: bool = False):
+def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
     """The producer of a key-stationary backward kernel (dK/dV, the fused one): for each
     of the ``g`` query heads of the GQA group and each of the CTA's ``count`` query
     blocks (the t-th is entry ``t`` of tile-list row ``blk``), the blocks of Q and dO and
     the rows of lse and delta into a ring of ``stages`` slots, each slot's Q (with lse and
     delta) and dO refilled once the consumers have freed it.  ``refs``, ``smem`` and
     ``ready``: (Q, dO, lse, delta) in global memory, their rings and "landed" barriers;
-    ``free``: the (Q, dO) slots' "read" barriers.  ``first_landed``
-    (``MgpuConfig.stationary_first``): the first Q block is waited for before anything
-    more is started."""
+    ``free``: the (Q, dO) slots' "read" barriers."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -54,8 +51,6 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
                                 lse_smem.at[slot], lse_ready.at[slot])
         plgpu.copy_gmem_to_smem(dl_ref.at[b, qh, pl.ds(start, bq)],
                                 dl_smem.at[slot], dl_ready.at[slot])
-        if first_landed:
-            pl.when(j == 0)(lambda: plgpu.barrier_wait(q_ready.at[0]))
 
         @pl.when(j >= stages)
         def _():
@@ -108,32 +103,17 @@ def kv_cta(tbl_ref, order_ref, masked: bool):
     return b, kvh, blk, wg, count, n_full
 
 
-def copy_kv_blocks(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, w):
-    """Start the TMA copies of consumer ``w``'s ``bk`` keys' K and V blocks, both arriving
-    on ``kv_ready[w]``: ``(row0, kw, vw)``, the first key's row and the blocks' views."""
+def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, wg):
+    """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
+    blocks into shared memory, waited for: ``(row0, kw, vw)``, the first key's row and
+    the blocks' views."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
-    row0 = blk * (2 * bk) + w * bk
-    kw, vw = k_smem.at[w], v_smem.at[w]
-    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[w])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[w])
-    return row0, kw, vw
-
-
-def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk: int, kvh, wg,
-                   copies: bool = True):
-    """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
-    blocks into shared memory (started here, or by the producer if not ``copies``:
-    ``MgpuConfig.stationary_first``), waited for: ``(row0, kw, vw)``, the first key's row
-    and the blocks' views."""
-    plgpu = _plgpu()
     plgpu.set_max_registers(240, action="increase")
-    if copies:
-        row0, kw, vw = copy_kv_blocks(k_ref, v_ref, k_smem, v_smem, kv_ready, b, blk, bk,
-                                      kvh, wg)
-    else:
-        row0 = blk * (2 * bk) + wg * bk
-        kw, vw = k_smem.at[wg], v_smem.at[wg]
+    row0 = blk * (2 * bk) + wg * bk
+    kw, vw = k_smem.at[wg], v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
     plgpu.barrier_wait(kv_ready.at[wg])
     return row0, kw, vw
 
@@ -154,22 +134,16 @@ def ds_ready_once_more(ds_ready, g, count) -> None:
         plgpu.barrier_wait(ds_ready.at[nxt])
 
 
-def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows,
-               read_only: bool = False) -> None:
+def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows) -> None:
     """A consumer's dK (times ``scale``) and dV in ``dtype`` through its K and V blocks to
-    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends, or (with
-    ``read_only``: ``MgpuConfig.store_wait_read``) read out of shared memory before it
-    ends, the writes landing after it as the forward's and the dQ kernel's do."""
+    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends."""
     plgpu = _plgpu()
     kw[...] = (dk * scale).astype(dtype)
     vw[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(kw, dk_ref.at[rows])
     plgpu.copy_smem_to_gmem(vw, dv_ref.at[rows])
-    if read_only:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    else:
-        plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def reduce_add_dq(dqw, dq, dst) -> None:
@@ -184,22 +158,17 @@ def reduce_add_dq(dqw, dq, dst) -> None:
 
 
 def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs,
-                    scoped, first=None) -> None:
-    """The producer warpgroup: registers given back, then ``first()`` (if given: the
-    consumers' own blocks, ``MgpuConfig.stationary_first``) and ``produce_q_ring`` from
-    one warp or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in
-    global memory; ``scoped``: the kernel's ``(smem, ready, free)`` as
-    ``kv_stationary_scratch`` orders them (the rings at 2-5, their barriers at 1-4, the
-    two "read" barriers first)."""
+                    scoped) -> None:
+    """The producer warpgroup: registers given back, then ``produce_q_ring`` from one warp
+    or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in global
+    memory; ``scoped``: the kernel's ``(smem, ready, free)`` as ``kv_stationary_scratch``
+    orders them (the rings at 2-5, their barriers at 1-4, the two "read" barriers
+    first)."""
     smem, ready, free = scoped
     _plgpu().set_max_registers(24, action="decrease")
-
-    def produce():
-        if first is not None:
-            first()
-        produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
-                       tuple(ready[1:5]), tuple(free[:2]), first_landed=first is not None)
-    on_producer_warps(one_warp, produce)
+    on_producer_warps(one_warp, lambda: produce_q_ring(
+        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
+        tuple(ready[1:5]), tuple(free[:2])))
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
@@ -276,8 +245,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
         def _consumer():
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
-                                              blk, bk, kvh, wg,
-                                              copies=not config.stationary_first)
+                                              blk, bk, kvh, wg)
             step = traced("step")(make_step(refs, scoped, cta, row0, kw))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
@@ -286,17 +254,12 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
                 if split:
                     ds_ready_once_more(free[2], g, count)
                 store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                           (b, pl.ds(row0, bk), kvh), read_only=config.store_wait_read)
+                           (b, pl.ds(row0, bk), kvh))
 
         @pl.when(wg == 2)
         def _producer():
-            def first():  # both consumers' K and V blocks before the ring
-                for w in (0, 1):
-                    copy_kv_blocks(k_ref, v_ref, smem[0], smem[1], ready[0], b, blk, bk,
-                                   kvh, w)
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped,
-                            first=first if config.stationary_first else None)
+                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
 
     n_in = 10 + 2 * has_seg
 
