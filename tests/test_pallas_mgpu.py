@@ -574,3 +574,68 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
     assert kern.config_for(64, "bfloat16", MaskSpec(), False, TILE_DENSE) == \
         dataclasses.replace(tuned, atomic_dq=False, block_kv_dq=64)
+
+
+# --------------------------------------------------------------------------- persistent
+@pytest.mark.parametrize("n_items,n_sm", [(1, 4), (4, 4), (11, 4), (12, 4), (17, 3), (2112, 132)])
+def test_persistent_items_cover_the_grid_once(n_items, n_sm):
+    """``persistent``: the CTAs' items are every launch slot once, each CTA's in launch
+    order, and within each wave in serpentine places."""
+    nq, Hq = 1, n_items  # the flat index alone matters here
+    seen = []
+    for sm in range(n_sm):
+        steps = pallas_mgpu_fwd.persistent_steps(n_items, n_sm, sm)
+        flats = []
+        for w in range(steps):
+            b, j, h = pallas_mgpu_fwd.persistent_item(w, sm, n_sm, nq, Hq)
+            flats.append(b * nq * Hq + j * Hq + h)
+        assert flats == sorted(flats)
+        for w, f in enumerate(flats):
+            assert f // n_sm == w  # one item a wave
+            assert f % n_sm == (sm if w % 2 == 0 else n_sm - 1 - sm)
+        seen += flats
+    assert sorted(seen) == list(range(n_items))
+
+
+def test_persistent_item_is_the_grids_order():
+    """Heads fastest, then launch slots, then batch rows, as the grid ``(Hq, nq, B)``."""
+    nq, Hq, B, n_sm = 3, 2, 2, 5
+    order = sorted((w * n_sm + pallas_mgpu_fwd.persistent_lane(w, sm, n_sm), (w, sm))
+                   for sm in range(n_sm) for w in range(
+                       pallas_mgpu_fwd.persistent_steps(B * nq * Hq, n_sm, sm)))
+    items = [pallas_mgpu_fwd.persistent_item(w, sm, n_sm, nq, Hq) for _, (w, sm) in order]
+    assert items == [(b, j, h) for b in range(B) for j in range(nq) for h in range(Hq)]
+
+
+def test_persistent_forward_config_and_shared_memory():
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True)
+    base = DEFAULT_MGPU_CONFIGS[128]
+    # two query blocks a consumer
+    assert forward_smem_bytes(cfg, 128, BF16) - forward_smem_bytes(base, 128, BF16) == \
+        2 * base.block_q * 128 * 2
+    assert forward_smem_bytes(cfg, 128, BF16) <= SMEM_LIMIT
+    with pytest.raises(ValueError, match="persistent=True runs the unpipelined forward"):
+        MgpuConfig(persistent=True, overlap_fwd=True)
+
+
+@pytest.mark.parametrize("T,seg,tile", [(512, False, TILE_ALIGNED), (384, True, TILE_ALIGNED),
+                                        (300, False, TILE_GENERAL), (448, True, TILE_GENERAL),
+                                        (256, False, TILE_DENSE)])
+def test_persistent_forward_lowers(T, seg, tile):
+    """One CTA per SM over the items: computed causal rows, packed documents' lists, ragged
+    general tiles, dense tiles; a tiling without room for two query blocks a consumer is
+    refused, naming the shared memory."""
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True)
+    mask = MaskSpec() if tile == TILE_DENSE else MaskSpec(causal=True)
+    q, kv = SDS((2, T, 4, 128), BF16), SDS((2, T, 2, 128), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
+    txt = _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
+                                                      config=cfg, tile=tile),
+                   q, kv, kv, *pos, *segs)
+    assert txt.count("mosaic_gpu") >= 1
+    big = dataclasses.replace(cfg, block_kv=256, num_stages=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
+                                                    config=big, tile=tile),
+                 q, kv, kv, *pos, *segs)
