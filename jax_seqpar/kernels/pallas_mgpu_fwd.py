@@ -53,10 +53,10 @@ from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (
-    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, SMEM_LIMIT, WARP_SLOT_THREADS, MgpuConfig,
-    _load, _plgpu, compiler_params, cta_order, forward_smem_bytes, free_barrier,
-    named_barrier, named_barriers_supported, on_producer_warps, produce_kv, row_loops,
-    slot_barrier, softmax_update, tile_visible, traced)
+    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, WARP_SLOT_THREADS, MgpuConfig, _load,
+    _plgpu, compiler_params, cta_order, free_barrier, named_barrier,
+    named_barriers_supported, on_producer_warps, produce_kv, row_loops, slot_barrier,
+    softmax_update, tile_visible, traced)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -87,15 +87,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     named = config.named_sched and named_barriers_supported()
     named_free = config.named_free and named_barriers_supported()
     overlap = config.overlap_fwd and named
-    if config.persistent and not named:
-        raise NotImplementedError("MgpuConfig.persistent=True needs named barriers (inline "
-                                  "PTX from Pallas: JAX >= 0.11)")
-    if config.persistent and forward_smem_bytes(config, D, dtype) > SMEM_LIMIT:
-        raise ValueError(
-            f"MgpuConfig.persistent=True: two query blocks a consumer and the K/V ring "
-            f"({config.num_stages} x {config.block_kv} keys) take "
-            f"{forward_smem_bytes(config, D, dtype)} bytes of shared memory at head dim "
-            f"{D}, more than the {SMEM_LIMIT} a CTA has; use fewer or smaller stages")
     if named_free:
         free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
     slot_threads = WARP_SLOT_THREADS if config.warp_producer else SLOT_THREADS
@@ -104,16 +95,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
 
-    persistent = config.persistent
-    n_sm = sm_count() if persistent else 0
-    n_items = B * nq * Hq
-
-    def schedule(tbl_ref, order_ref, b, j=None):
-        """``(cta, count, n_full, block)`` of launch slot ``j`` (the grid's, if None) of
-        batch row ``b``: its query block, how many key blocks it visits, how many of
-        those first ones need no mask, and the t-th's index."""
-        if j is None:
-            j = lax.axis_index("q_seq")
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)``: the CTA's query block, how many key blocks
+        it visits, how many of those first ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
         if index == "dense":
             return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
         if index == "causal":
@@ -130,23 +115,10 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                kvseg_ref, o_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
             (k_free, v_free), sched = scoped
-        if not persistent:
-            b = lax.axis_index("batch")
-            h = lax.axis_index("heads")
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        if not persistent:
-            current = schedule(tbl_ref, order_ref, b)
-        else:
-            sm = lax.axis_index("sm")
-            my_items = persistent_steps(n_items, n_sm, sm,
-                                        lambda a, b: (a < b).astype(jnp.int32))
-            idiv = lambda a, b: lax.div(a, jnp.int32(b))  # noqa: E731
-            irem = lambda a, b: lax.rem(a, jnp.int32(b))  # noqa: E731
-
-            def item_at(w):
-                """``(b, h, (cta, count, n_full, block))`` of this CTA's ``w``-th item."""
-                ib, ij, ih = persistent_item(w, sm, n_sm, nq, Hq, idiv, irem)
-                return ib, ih, schedule(tbl_ref, order_ref, ib, ij)
+        cta, count, n_full, block = schedule(tbl_ref, order_ref, b)
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
@@ -168,49 +140,20 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 pl.when(wg == me)(functools.partial(named_barrier, "sync",
                                                     SCHED_BARRIERS[me]))
 
-        def q_buffer(w):
-            """This consumer's query (then output) block and the barrier its load arrives
-            on: its own, or (``persistent``) one of two, by the parity of the item."""
-            if w is None:
-                return qo_smem2.at[wg], q_ready.at[wg]
-            i = 2 * wg + lax.rem(w, jnp.int32(2))
-            return qo_smem2.at[i], q_ready.at[i]
-
-        def load_next_q(w):
-            """(``persistent``) Once the stores of the item before have read their blocks,
-            start the load of the query block of item ``w + 1`` into the block they
-            held, while item ``w``'s steps run."""
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            @pl.when(w + 1 < my_items)
-            def _():
-                nb, nh, (ncta, *_) = item_at(w + 1)
-                qo, ready = q_buffer(w + 1)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[nb, pl.ds(ncta * (2 * bq) + wg * bq, bq), nh], qo, ready)
-
-        def consume(b, h, current, w=None, base=None):
-            """A consumer's work on one query block ``current`` (``schedule``'s) of batch
-            row ``b`` and head ``h``: the grid's, or (``persistent``) this CTA's ``w``-th
-            item, with ``base`` key blocks streamed through the ring before it; returns
-            ``base`` plus this item's key blocks."""
-            cta, count, n_full, block = current
-            qo, qo_ready = q_buffer(w)
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo_smem2.at[wg]
             row0 = cta * (2 * bq) + wg * bq
-
-            def slot_of(t):  # the ring slot of this item's t-th key block
-                return lax.rem(t if base is None else base + t, jnp.int32(stages))
             with jax.named_scope("load"):  # trace regions (TRACE_ENV)
-                if w is None:  # a persistent CTA's were started the item before
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo,
-                                            q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo, q_ready.at[wg])
                 # the row vectors load while the query block does
                 qpos = qseg = None
                 if masked and not by_index:
                     qpos = _load(qpos_ref.at[b, pl.ds(row0, bq)], ROW)
                 if masked and has_seg:
                     qseg = _load(qseg_ref.at[b, pl.ds(row0, bq)], ROW)
-                plgpu.barrier_wait(qo_ready)
+                plgpu.barrier_wait(q_ready.at[wg])
             shape = (bq, bk)
 
             def mask_inputs(t, mode):
@@ -247,14 +190,14 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             def wait_next_k(t):  # while this step's last product runs
                 @pl.when(t + 1 < count)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(t + 1)])
+                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(stages))])
 
             @traced("step")
             def step(t, carry, mode):
                 """One key block; ``mode`` None (fully visible) or the mask tests of
                 ``masked_loops`` (position test?, segment test)."""
                 acc, m, l = carry
-                slot = slot_of(t)
+                slot = lax.rem(t, jnp.int32(stages))
                 inputs = mask_inputs(t, mode) if mode is not None else None
 
                 def qk(acc_ref):
@@ -292,8 +235,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     wait_next_k(t)
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 free_slot("v", v_free, slot)
-                if w is not None:  # the next item's query block, early
-                    pl.when(t == 0)(lambda: load_next_q(w))
                 return acc, m_new, l
 
             m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
@@ -394,22 +335,16 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 else:
                     @pl.when(count > 0)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[0 if base is None else slot_of(0)])
+                        plgpu.barrier_wait(k_ready.at[0])
                     # consumer 1 starts half a step behind consumer 0
                     pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
                                      if named else rendezvous)
                     carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
                                       step, (acc0, m0, l0))
-                    # consumer 0 matches consumer 1's last wait; a persistent CTA's
-                    # consumer 0 waits there too, so that its next item's first arrival
-                    # cannot pair with that wait
-                    pl.when(wg == 0)(functools.partial(named_barrier,
-                                                       "arrive" if w is None else "sync",
+                    pl.when(wg == 0)(functools.partial(named_barrier, "arrive",
                                                        SCHED_BARRIERS[1])
                                      if named else rendezvous)
             with jax.named_scope("out"):
-                if w is not None:  # no step ran: wait for the item before's stores here
-                    pl.when(count == 0)(lambda: load_next_q(w))
                 acc, m, l = carry
                 has = l > 0.0
                 l_safe = jnp.where(has, l, 1.0)
@@ -419,45 +354,17 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-                if w is None:  # (persistent: waited for in the next item, or at the end)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
-            return None if base is None else base + count
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            if not persistent:
-                consume(b, h, current)
-                return
-
-            @pl.when(my_items > 0)
-            def _():  # the first item's query block; each later one's during the item before
-                fb, fh, (fcta, *_) = item_at(0)
-                qo, ready = q_buffer(0)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[fb, pl.ds(fcta * (2 * bq) + wg * bq, bq), fh], qo, ready)
-            lax.fori_loop(0, my_items, lambda w, base: consume(*item_at(w), w=w, base=base),
-                          jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def produce_item(ib, ih, item, base=None):
-                _, count, _, block = item
-                produce_kv(block, ib, count, bk, stages, lax.div(ih, jnp.int32(g)), k_ref,
-                           v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads, base=base)
-                return None if base is None else base + count
-
             @traced("produce")
             def produce():
-                if not persistent:
-                    produce_item(b, h, current)
-                    return
-                lax.fori_loop(0, my_items, lambda w, base: produce_item(*item_at(w), base),
-                              jnp.int32(0))
+                produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                           v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                           named_free=named_free, slot_threads=slot_threads)
             on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
@@ -469,8 +376,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
         o_ref, lse_ref = refs
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        n_q = 4 if persistent else 2  # (persistent: two query blocks a consumer)
-        smem = (plgpu.SMEM((n_q, bq, D), dtype, transforms=swz),
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((2, bq), F32))
@@ -479,7 +385,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                                    kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=n_q)),
+             plgpu.Barrier(num_barriers=2)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -488,60 +394,15 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     args = (([] if no_lists else [tbl, order]) + [q, k, v]
             + ([] if by_index else [q_pos, kv_pos]) + ([q_seg, kv_seg] if has_seg else []))
     args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
-    grid, names = ((n_sm,), ("sm",)) if persistent else ((Hq, nq, B),
-                                                          ("heads", "q_seq", "batch"))
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=names,
+        grid=(Hq, nq, B),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=compiler_params(),
     )(*args)
-
-
-#: Streaming multiprocessors of an H100 / H200 SXM (the persistent forward's CTAs when
-#: no GPU can be asked: CPU lowering tests).
-HOPPER_SMS = 132
-
-
-def sm_count() -> int:
-    """The first GPU's streaming multiprocessors, or ``HOPPER_SMS`` without a GPU."""
-    try:
-        return int(jax.devices("gpu")[0].core_count)
-    except (RuntimeError, AttributeError):
-        return HOPPER_SMS
-
-
-def persistent_lane(w, sm, n_sm: int, rem=lambda a, b: a % b):
-    """The place in wave ``w`` of the persistent CTA ``sm``: ``sm`` in even waves,
-    ``n_sm - 1 - sm`` in odd ones (a serpentine).  The launch order puts the longer items
-    first in each wave; in the same place every wave the low CTAs would fall further
-    behind wave after wave, and the running items would stop being neighbours whose K/V
-    blocks meet in L2 (RESULTS.md, "Hopper tiles on one H200 again").  ``rem``: the
-    remainder (``lax.rem`` in a kernel)."""
-    return sm + rem(w, 2) * (n_sm - 1 - 2 * sm)
-
-
-def persistent_steps(n_items: int, n_sm: int, sm, below=lambda a, b: int(a < b)):
-    """How many of ``n_items`` the persistent CTA ``sm`` of ``n_sm`` serves: one in each
-    full wave, and one in the last, partial wave if its place there is taken.
-    ``below(a, b)``: ``a < b`` as 0 or 1 (an int32 in a kernel)."""
-    waves, rest = divmod(n_items, n_sm)
-    last = sm if waves % 2 == 0 else n_sm - 1 - sm
-    return waves + below(last, rest)
-
-
-def persistent_item(w, sm, n_sm: int, nq: int, Hq: int, div=lambda a, b: a // b,
-                    rem=lambda a, b: a % b):
-    """``(b, j, h)`` of the persistent CTA ``sm``'s ``w``-th item: the flat index
-    ``w * n_sm + persistent_lane(w, sm, n_sm)`` of the grid ``(Hq, nq, B)`` (heads
-    fastest, as the hardware launches the grid of the per-item kernel), so the CTAs take
-    the launch slots in their most-tiles-first order.  ``div`` / ``rem``: integer
-    division and remainder (``lax`` in a kernel)."""
-    flat = w * n_sm + persistent_lane(w, sm, n_sm, rem)
-    return div(flat, nq * Hq), rem(div(flat, Hq), nq), rem(flat, Hq)
 
 
 def causal_blocks(cta, rows: int, bk: int, nk: int, pad_keys: bool, div, minimum):
