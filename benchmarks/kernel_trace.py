@@ -162,14 +162,17 @@ def summarize(blocks):
             rates.append(int(_wrap32(b0 - a0)) / dns * 1e3)  # MHz
         starts_ns.append(a_ns)
         ends_ns.append((b_ns, int(_wrap32(b1 - b0))))
+    # one CTA per SM (a persistent kernel) gives no rate: the span and idle time are
+    # then left out (NaN, 0)
     mhz = float(np.median(rates)) if rates else float("nan")
     ref_ns = starts_ns[0]
     start_ns = [int(_wrap32(a - ref_ns)) for a in starts_ns]
     end_ns = [_wrap32(b - ref_ns) + c / mhz * 1e3 for b, c in ends_ns]
     span_ns = max(end_ns) - min(start_ns)
     # an SM's cycles before its first CTA starts and after its last one ends
-    totals["idle"] = int(sum((s - min(start_ns)) + (max(end_ns) - e)
-                             for s, e in zip(start_ns, end_ns)) * mhz / 1e3)
+    totals["idle"] = (int(sum((s - min(start_ns)) + (max(end_ns) - e)
+                              for s, e in zip(start_ns, end_ns)) * mhz / 1e3)
+                      if rates else 0)
     all_cycles = sum(totals.values())
     n_steps = len(steps_all)
     return {
@@ -211,6 +214,10 @@ def main(argv=None):
     p.add_argument("--max-ranges", type=int, default=1 << 20,
                    help="at most this many ranges (the buffer takes shared memory: a CTA "
                         "whose row needs more has its trace cut short)")
+    p.add_argument("--raw", type=int, default=0, metavar="N",
+                   help="also keep the events of the first N CTAs (per kernel and trace size) "
+                        "in the JSON, as parsed: for a persistent kernel, whose CTAs serve "
+                        "many items, which the phases above do not split")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "trace.json"))
     a = p.parse_args(argv)
     cases = [c for c in a.cases.split(",") if c]
@@ -293,11 +300,14 @@ def main(argv=None):
                 if not kept:
                     raise RuntimeError(f"{case} {name}: the traced kernels wrote no profile")
                 for kind, (buf, names, n_entries, grid) in sorted(kept.items()):
-                    summary = summarize(parse(buf, names, n_entries))
+                    blocks = parse(buf, names, n_entries)
+                    summary = summarize(blocks)
                     summary.update(B=B, S=S, grid=list(grid), call_ms=ms, ranges=ranges,
                                    entries=n_entries)
-                    entry.setdefault(kind, []).append(summary)
                     print(f"kernel_trace {case} {kind}: {json.dumps(summary)}", flush=True)
+                    if a.raw:
+                        summary["raw_blocks"] = blocks[:a.raw]
+                    entry.setdefault(kind, []).append(summary)
         os.environ.pop(TRACE_ENV, None)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)

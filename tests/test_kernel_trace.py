@@ -81,3 +81,13 @@ def test_the_profiler_is_on_only_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv(common.TRACE_RANGES_ENV, "0")
     with pytest.raises(ValueError, match=common.TRACE_RANGES_ENV):
         common.compiler_params()
+
+
+def test_one_cta_per_sm_gives_phases_without_a_clock():
+    """A persistent kernel (one CTA per SM) gives no clock rate: its summary keeps the
+    phases and steps and leaves the span unknown and the idle time out."""
+    got = kernel_trace.summarize(kernel_trace.parse(
+        _buffer([(0, 1000, 5000), (1, 7000, 5000)]), NAMES, 32))
+    assert np.isnan(got["clock_mhz"]) and np.isnan(got["span_us"])
+    assert got["phases_cycles"]["idle"] == 0 and got["phases_cycles"]["gap"] == 0
+    assert got["steps"] == 4 and got["cycles_per_step"] == 100
