@@ -650,19 +650,35 @@ def test_persistent_forward_config_and_shared_memory():
 @pytest.mark.parametrize("T,seg,tile", [(512, False, TILE_ALIGNED), (384, True, TILE_ALIGNED),
                                         (300, False, TILE_GENERAL), (448, True, TILE_GENERAL),
                                         (256, False, TILE_DENSE)])
-def test_persistent_forward_lowers(T, seg, tile):
+def test_persistent_forward_lowers(T, seg, tile, monkeypatch):
     """One CTA per SM over the items: computed causal rows, packed documents' lists, ragged
-    general tiles, dense tiles; a tiling without room for two query blocks a consumer is
-    refused, naming the shared memory."""
+    general tiles, dense tiles; the Mosaic GPU module takes its tickets with one
+    fetch-and-add (``pallas_mgpu_sched.take_ticket``); a tiling without room for two
+    query blocks a consumer is refused, naming the shared memory."""
+    import jax.experimental.mosaic.gpu.core as mcore
+    modules, serde = [], mcore._run_serde_pass
+
+    def spy(module, *a, **k):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, *a, **k)
+    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
     cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True, warp_producer=False)
     mask = MaskSpec() if tile == TILE_DENSE else MaskSpec(causal=True)
     q, kv = SDS((2, T, 4, 128), BF16), SDS((2, T, 2, 128), BF16)
     pos = [SDS((T,), jnp.int32)] * 2
     segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
-    txt = _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
-                                                      config=cfg, tile=tile),
-                   q, kv, kv, *pos, *segs)
+    def lower():
+        return _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
+                                                           config=cfg, tile=tile),
+                        q, kv, kv, *pos, *segs)
+    if not mgpu_common.named_barriers_supported():  # JAX 0.10: no inline PTX from Pallas
+        with pytest.raises(NotImplementedError, match="persistent=True needs named barriers"):
+            lower()
+        return
+    txt = lower()
     assert txt.count("mosaic_gpu") >= 1
+    assert len(modules) == 1 and modules[0].count("atom.add.u32") == 1
+    assert modules[0].count("scf.while") == 2  # the consumers' and the producer's items
     big = dataclasses.replace(cfg, block_kv=256, num_stages=3)
     with pytest.raises(ValueError, match="shared memory"):
         _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
