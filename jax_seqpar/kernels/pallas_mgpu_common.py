@@ -143,9 +143,9 @@ class MgpuConfig:
     ping-pong run on from item to item, and each consumer holds two query blocks, loading
     the next item's while the current one's steps run.  What it is for: the load of each
     CTA's query block (about 2,800 cycles on CTAs of 16 steps).  On one H200 it gives the
-    per-item kernel's bits, and its forward was 0-3% faster on sixteen 4k rows but 17-22%
-    slower on packed documents, its steps 8% slower than the per-item kernel's even on
-    the same first items (RESULTS.md), so off.
+    per-item kernel's bits, and its forward was level with or up to 5% faster than the
+    per-item one on sixteen 4k rows but 22-24% slower on packed documents, its steps 8%
+    slower even on the same first items (RESULTS.md), so off.
     """
 
     block_q: int = 64

@@ -1,15 +1,15 @@
 """A dynamic tile scheduler for persistent Hopper (Mosaic GPU) kernels.
 
 A persistent kernel launches one CTA per streaming multiprocessor; each CTA serves
-items (launch slots of the per-item kernel's grid) in turn.  A static assignment (item
-``w * n_sm + sm``, or a serpentine) lets CTAs with longer items fall behind, so the items
-running at one moment spread over many waves of the launch order and their K/V blocks
-stop meeting in L2 (RESULTS.md, "A persistent forward that loads each query block during
-the item before": 23-25% slower on packed documents).  Here the items go out in launch
-order as CTAs ask for them, from one counter in global memory, as the tile scheduler of
-FlashAttention-3 does for its persistent kernels (Shah et al., 2024, §3.1, "persistent
-kernels with a tile scheduler"; its ``DynamicPersistentTileScheduler``): CTA ``sm`` starts
-with item ``sm`` and then takes ``n_sm + atom.add(counter, 1)``.
+items (launch slots of the per-item kernel's grid) in turn.  With a static assignment
+(item ``w * n_sm + sm``, or a serpentine) CTAs with longer items fall behind, so the
+items running at one moment spread over the launch order.  Here the items go out in
+launch order as CTAs ask for them, from one counter in global memory, as the tile
+scheduler of FlashAttention-3 does for its persistent kernels (Shah et al., 2024, §3.1;
+its ``DynamicPersistentTileScheduler``): CTA ``sm`` starts with item ``sm`` and then takes
+``n_sm + atom.add(counter, 1)``.  (On packed documents the persistent forward is as slow
+with this order as with the static one: RESULTS.md, "A dynamic tile scheduler for a
+persistent forward".)
 
 One thread of the producer takes each ticket (``take_ticket``: a fetch-and-add through
 inline PTX, since Mosaic GPU's ``atomic_add`` returns nothing in JAX 0.11.2) one item
