@@ -48,14 +48,11 @@ def cases(small: bool):
 
 
 def parse_variant(text: str):
-    """``"NAME:field=value,..."`` -> ``(NAME, {field: value})``; values int or bool."""
-    name, _, fields = text.partition(":")
-    out = {}
-    for item in filter(None, fields.split(",")):
-        key, _, val = item.partition("=")
-        low = val.lower()
-        out[key] = (low == "true") if low in ("true", "false") else int(val)
-    return name, out
+    """``"NAME:field=value,..."`` -> ``(NAME, {field: value})``, checked as
+    ``kernels.py --mgpu-variant`` checks it (MgpuConfig fields; ints or true/false)."""
+    from kernels import parse_mgpu_variant
+    name, variant = parse_mgpu_variant(text)
+    return name, dict(variant.overrides)
 
 
 def forward(case, config, on_gpu: bool):
@@ -102,8 +99,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu" and not args.dry_run
     from jax_seqpar.kernels.pallas_mgpu_common import DEFAULT_MGPU_CONFIGS
-    base = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128],
-                               **parse_variant("base:" + args.base)[1])
+    base = DEFAULT_MGPU_CONFIGS[128]
+    if args.base:
+        base = dataclasses.replace(base, **parse_variant("base:" + args.base)[1])
     variants = dict(parse_variant(v) for v in args.variant)
     chosen = cases(not on_gpu)
     if args.cases:
