@@ -120,6 +120,82 @@ def test_launch_order_puts_the_longest_rows_first():
     np.testing.assert_array_equal(order[1], np.arange(5))
 
 
+def _packed_lists(lens, T, rows=128, classes=False):
+    ids = np.repeat(np.arange(len(lens)), lens).astype(np.int32)[None]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    seg = jnp.asarray(ids)
+    return ids, np.asarray(tile_lists(MaskSpec(causal=True), pos[None], pos, T, rows, rows,
+                                      True, q_seg=seg, kv_seg=seg, classes=classes))
+
+
+@pytest.mark.parametrize("classes", [False, True])
+def test_doc_launch_order_keeps_documents_together(classes):
+    """``doc_cta_order`` (``MgpuConfig.doc_order``): a permutation of the query blocks in
+    which each document's blocks are contiguous, the documents longest first, each
+    one's blocks most tiles first; blocks that straddle two documents go with the
+    earlier one (the first key block they see)."""
+    from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
+    # documents 1, 3 and 4 have equally long blocks at most (12 tiles), 2 and 3 start
+    # inside a block of 128
+    lens = [640, 1536, 300, 1492, 1536, 1664]
+    T = sum(lens)
+    ids, tbl = _packed_lists(lens, T, classes=classes)
+    order = np.asarray(doc_cta_order(jnp.asarray(tbl)))[0]
+    assert sorted(order) == list(range(T // 128))
+    doc = ids[0, order * 128]  # the document of each launched block's first query
+    changes = np.flatnonzero(np.diff(doc)) + 1
+    runs = np.split(doc, changes)
+    assert len({r[0] for r in runs}) == len(runs)  # each document in one run
+    assert [r[0] for r in runs] == [5, 1, 3, 4, 0, 2]  # longest first, then in place
+    counts = tbl[0, order, 0]
+    for chunk in np.split(counts, changes):
+        assert (np.diff(chunk) <= 0).all()
+    # a cta_order of the same lists interleaves the documents
+    mixed = ids[0, np.asarray(cta_order(jnp.asarray(tbl)))[0] * 128]
+    assert (np.diff(mixed) != 0).sum() > len(runs)
+
+
+def test_doc_launch_order_of_one_row_and_empty_rows():
+    """Without documents (one causal row) the order is ``cta_order``'s; rows that see no
+    key block launch last, each as a document of its own."""
+    from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
+    T = 1024
+    pos = jnp.arange(T, dtype=jnp.int32)
+    tbl = tile_lists(MaskSpec(causal=True), pos[None], pos, T, 128, 128, False)
+    np.testing.assert_array_equal(doc_cta_order(tbl), cta_order(tbl))
+    tbl = np.asarray(tbl).copy()
+    tbl[0, 2, 0] = tbl[0, 5, 0] = 0  # two rows with nothing to see
+    order = np.asarray(doc_cta_order(jnp.asarray(tbl)))[0]
+    assert sorted(order) == list(range(T // 128)) and set(order[-2:]) == {2, 5}
+
+
+@pytest.mark.parametrize("doc_order", [True, False])
+def test_forward_and_dq_launch_documents_together(doc_order, monkeypatch):
+    """With segment ids the forward and the dQ kernel take ``doc_cta_order`` (the dK/dV
+    kernel keeps ``cta_order``: RESULTS.md); without them, or with ``doc_order=False``,
+    none does."""
+    from jax_seqpar.kernels import pallas_mgpu_bwd
+    calls = []
+    for mod in (pallas_mgpu_fwd, pallas_mgpu_bwd):
+        real = mod.doc_cta_order
+        monkeypatch.setattr(mod, "doc_cta_order",
+                            lambda tbl, _r=real, _m=mod.__name__: calls.append(_m) or _r(tbl))
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], doc_order=doc_order)
+    T, mask = 512, MaskSpec(causal=True)
+    q, kv = SDS((1, T, 2, 128), BF16), SDS((1, T, 2, 128), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    for segs in ([SDS((1, T), jnp.int32)] * 2, []):
+        calls.clear()
+        _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
+                                                    config=cfg, tile=TILE_ALIGNED),
+                 q, kv, kv, *pos, *segs)
+        _lowered(lambda q, k, v, o, lse, do, a, b, *s: mgpu_bwd(
+            q, k, v, o, lse, do, a, b, mask, 0.1, *s, config=cfg),
+            q, kv, kv, q, SDS((1, 2, T), jnp.float32), q, *pos, *segs)
+        want = ["jax_seqpar.kernels.pallas_mgpu_fwd", "jax_seqpar.kernels.pallas_mgpu_bwd"]
+        assert calls == (want if segs and doc_order else [])
+
+
 # --------------------------------------------------------------------------- refusals
 def test_refused_off_hopper_with_the_reason():
     with pytest.raises(NotImplementedError, match="Hopper"):

@@ -16,7 +16,9 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   so P^T feeds ``dV += P^T dO`` straight from registers, and ``dK += dS^T Q`` likewise.
 * ``dQ`` (``_dq_call``): the forward's layout -- one CTA per (block of ``2 * block_q_bwd``
   queries, query head, batch row), two consumers, a producer streaming K and V blocks of
-  the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.
+  the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.  Both
+  kernels launch their CTAs most tiles first; with segment ids the dQ kernel's go
+  document by document, as the forward's (``MgpuConfig.doc_order``).
 * With ``MgpuConfig.atomic_dq`` there is no dQ kernel: each consumer of the dK/dV kernel
   stages its ``dS^T`` block in shared memory, multiplies ``dS K`` and adds the float32
   product into a zeroed dQ in global memory with a TMA reduce-add, as FlashAttention-3's
@@ -59,7 +61,7 @@ from jax import lax
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   compiler_params, cta_order,
+                                                   compiler_params, cta_order, doc_cta_order,
                                                    on_producer_warps, produce_kv,
                                                    row_loops, step_index, tile_visible,
                                                    traced)
@@ -513,7 +515,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
                         classes=classes_dkdv)
     tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, classes=classes,
                      **seg_kw)
-    dq = _dq_call(tbl, cta_order(tbl), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
+    order = doc_cta_order(tbl) if config.doc_order and has_seg else cta_order(tbl)
+    dq = _dq_call(tbl, order, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs,
                   mask=mask, scale=scale, Tk=Tk, masked=pos_masked or Tk % bk_dq != 0,
                   config=config, classes=classes)
     return (dq[:, :Tq].astype(F32), dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32))

@@ -31,7 +31,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "persistent")
+               "step_descriptors", "overlap_fwd", "persistent", "doc_order")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,18 @@ class MgpuConfig:
     CTA's query block (about 2,800 cycles on CTAs of 16 steps).  On one H200 it gives the
     per-item kernel's bits, and its forward was level with or up to 5% faster than the
     per-item one on sixteen 4k rows but 22-24% slower on packed documents, its steps 8%
-    slower even on the same first items (RESULTS.md), so off.
+    slower even on the same first items (RESULTS.md), so off.  Traced within a step,
+    its softmax took 14-22% longer than the per-item kernel's on the same items, and
+    without the mask classes' four loops it lost 9% instead of 15%: register pressure
+    from values the compiler hoists out of the item loop (RESULTS.md).
+    ``doc_order`` (the forward and the dQ kernel, with segment ids): the query blocks
+    launch document by document (``doc_cta_order``: longest document first, each one's
+    blocks most tiles first) instead of sorted by tile count across all documents, so
+    the CTAs running at once read fewer documents' keys and values.  On one H200, packed
+    documents around 4k at 64k tokens, three runs: the forward 0.9-1.7% and the dQ
+    kernel 2.4-3.9% faster, the whole call 1.0-1.9 points of cuDNN's rate higher, the
+    same bits.  The dK/dV kernel keeps the order by tile count: grouped by document
+    (from the segment ids) it read 0.5% and 2.5% slower in two runs.
     """
 
     block_q: int = 64
@@ -172,6 +183,7 @@ class MgpuConfig:
     step_descriptors: bool = False
     overlap_fwd: bool = False
     persistent: bool = False
+    doc_order: bool = True
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -392,6 +404,27 @@ def _load(ref, layout, gmem: bool = True):
 def cta_order(tbl):
     """Query-block order of the launch: most visible tiles first (stable), ``[B, n]``."""
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
+
+
+def doc_cta_order(tbl):
+    """(``MgpuConfig.doc_order``) A launch order of query blocks that keeps each
+    document's blocks together, from the tile lists alone: a block's document is the
+    first key block it sees (its smallest list entry; a packed document's query blocks
+    share it), documents go longest first (the most tiles any of their blocks has) and
+    each document's blocks most tiles first; ``[B, n]``.  Without documents (one causal
+    row) that is ``cta_order``'s order.  Only the order of the CTAs changes, never what
+    they compute."""
+    import jax
+    B, n, width = tbl.shape
+    count = tbl[..., 0]
+    live = jnp.arange(width - 2)[None, None, :] < count[..., None]
+    first = jnp.where(live, tbl[..., 2:], jnp.iinfo(jnp.int32).max).min(-1)  # [B, n]
+    # (entries are key blocks below ``width``; an empty row is a document of its own)
+    first = jnp.where(count > 0, first, width + jnp.arange(n)[None, :])
+    longest = jax.vmap(lambda f, c: jnp.zeros((width + n,), c.dtype).at[f].max(c)[f])(
+        first, count)
+    return jax.vmap(lambda c, f, z: jnp.lexsort((-c, f, -z)))(
+        count, first, longest).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- in-kernel

@@ -27,7 +27,8 @@ the same per-block tile lists as the Triton kernel (``pallas_common.tile_lists``
   the online softmax (``softmax_update``), and where positions prove a tile there is no
   position test;
 * CTAs are launched **most tiles first** (a permutation of the query blocks by their
-  tile count), so under a causal mask the last wave is short rows, not long ones;
+  tile count), so under a causal mask the last wave is short rows, not long ones; with
+  segment ids, document by document, longest first (``MgpuConfig.doc_order``);
 * on tiles the caller states dense or aligned (``base.TILE_DENSE`` / ``TILE_ALIGNED``)
   masks come from row and column indices, and without segment ids the visited blocks and
   the launch order are computed, not read from lists (``index_kind``,
@@ -55,7 +56,7 @@ from jax_seqpar.kernels import pallas_mgpu_sched as sched_mod
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (
     F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, SMEM_LIMIT, WARP_SLOT_THREADS, MgpuConfig,
-    _load, _plgpu, compiler_params, cta_order, forward_smem_bytes, free_barrier,
+    _load, _plgpu, compiler_params, cta_order, doc_cta_order, forward_smem_bytes, free_barrier,
     named_barrier, named_barriers_supported, on_producer_warps, produce_kv, row_loops,
     slot_barrier, softmax_update, step_index, tile_visible, traced)
 from jax_seqpar.masks import MaskSpec
@@ -275,15 +276,18 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
                     let_other_go() if named else rendezvous()
                     return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
-                free_slot("k", k_free, slot)
-                if mode is not None:
-                    s = apply_mask(s, inputs, mode)
-                m_new, alpha, p = softmax_update(s, m, c, masked=mode is not None,
-                                                 row_ok=None if mode is None else inputs[3])
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha
-                p16 = p.astype(dtype)
+                with jax.named_scope("qk"):  # trace regions within a step (TRACE_ENV)
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), F32))
+                    free_slot("k", k_free, slot)
+                with jax.named_scope("soft"):
+                    if mode is not None:
+                        s = apply_mask(s, inputs, mode)
+                    m_new, alpha, p = softmax_update(s, m, c, masked=mode is not None,
+                                                     row_ok=None if mode is None
+                                                     else inputs[3])
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l = l * alpha
+                    p16 = p.astype(dtype)
 
                 def end_softmax():
                     if named:
@@ -294,18 +298,22 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_wait(sched)
                 if D <= 128:
-                    l = l + p.sum(axis=1)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    end_softmax()
+                    with jax.named_scope("soft"):
+                        l = l + p.sum(axis=1)
+                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    with jax.named_scope("turn"):
+                        end_softmax()
                 else:
-                    end_softmax()
+                    with jax.named_scope("turn"):
+                        end_softmax()
                     l = l + p.sum(axis=1)
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                     wait_next_k(t)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                free_slot("v", v_free, slot)
+                with jax.named_scope("pv"):
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    free_slot("v", v_free, slot)
                 if w is not None:  # the next item's query block, early
                     pl.when(t == 0)(lambda: load_next_q(w, nxt))
                 return acc, m_new, l
@@ -591,7 +599,7 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
     if index not in ("dense", "causal"):
         tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg, classes=classes,
                          **seg_kw)
-        order = cta_order(tbl)
+        order = doc_cta_order(tbl) if config.doc_order and has_seg else cta_order(tbl)
     o, lse = _fwd_call(tbl, order, _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
                        _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
                        Tk=Tk, masked=masked, config=config, index=index, classes=classes)
