@@ -32,6 +32,15 @@ per CTA, as the kernels run it.
 ``--kernels bwd`` traces the backward's two kernels instead (their regions: ``load``,
 the CTA's stationary blocks; ``step``, one streamed block; ``out``; the rows named
 ``dkdv_rows`` and ``dq_rows`` tell the kernels apart).
+
+Within a step the unpipelined forward also records ``qk`` (``S`` issued and waited for,
+the K slot freed), ``soft`` (mask and online softmax), ``turn`` (V's wait and the
+ping-pong's) and ``pv``; the fused backward (``row_scores``) ``sp`` (``S`` and ``P``),
+``front`` (``dP``, ``dV``, ``dS``), ``meet`` (the consumers' dS barrier), ``back`` (``dK``
+and the dQ half) and ``red`` (the dQ reduce-add).  The phases above do not use them;
+``--raw`` keeps them.  Their events cost cycles of their own: with them a forward step
+read about 3,300 cycles where it reads about 2,800 without (RESULTS.md), so compare
+such traces with each other only.  ``--per-cta`` keeps one row per CTA (``per_cta``).
 """
 
 from __future__ import annotations
@@ -193,6 +202,26 @@ def _med(x):
     return float(np.median(x)) if len(x) else None
 
 
+def per_cta(blocks):
+    """One row per CTA, in the buffer's (launch) order: ``[index, SM, start (us from
+    the first CTA's start, global timer), steps, median step (cycles)]`` (consumer 0's
+    steps; 0 and None for a CTA without steps): to read a step's cost against when the
+    CTA ran and how long its row was."""
+    rows, ref = [], None
+    for i, blk in enumerate(blocks):
+        got = block_phases(blk)
+        if got is None:
+            continue
+        ref = blk["start_ns"] if ref is None else ref
+        steps = got[3]
+        rows.append([i, blk["sm"], round(int(_wrap32(blk["start_ns"] - ref)) / 1e3, 3),
+                     len(steps), _med(steps)])
+    t0 = min((r[2] for r in rows), default=0.0)
+    for r in rows:
+        r[2] = round(r[2] - t0, 3)
+    return rows
+
+
 def kernel_kind(names) -> str:
     """Which kernel a trace is of, by its regions: ``fwd``, ``dq`` or ``dkdv``."""
     return "dkdv" if "dkdv_rows" in names else "dq" if "dq_rows" in names else "fwd"
@@ -218,6 +247,9 @@ def main(argv=None):
                    help="also keep the events of the first N CTAs (per kernel and trace size) "
                         "in the JSON, as parsed: for a persistent kernel, whose CTAs serve "
                         "many items, which the phases above do not split")
+    p.add_argument("--per-cta", action="store_true",
+                   help="also keep one row per CTA (per_cta): its SM, start, steps and "
+                        "median step")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "trace.json"))
     a = p.parse_args(argv)
     cases = [c for c in a.cases.split(",") if c]
@@ -307,6 +339,8 @@ def main(argv=None):
                     print(f"kernel_trace {case} {kind}: {json.dumps(summary)}", flush=True)
                     if a.raw:
                         summary["raw_blocks"] = blocks[:a.raw]
+                    if a.per_cta:
+                        summary["per_cta"] = per_cta(blocks)
                     entry.setdefault(kind, []).append(summary)
         os.environ.pop(TRACE_ENV, None)
     with open(a.out, "w") as f:

@@ -91,3 +91,11 @@ def test_one_cta_per_sm_gives_phases_without_a_clock():
     assert np.isnan(got["clock_mhz"]) and np.isnan(got["span_us"])
     assert got["phases_cycles"]["idle"] == 0 and got["phases_cycles"]["gap"] == 0
     assert got["steps"] == 4 and got["cycles_per_step"] == 100
+
+
+def test_per_cta_rows():
+    """One row per CTA in buffer order: its SM, its start from the first CTA's (global
+    timer, us), consumer 0's steps and their median."""
+    blocks = [(0, 1000, 5000), (0, 1500, 5500), (1, 7000, 5000)]
+    rows = kernel_trace.per_cta(kernel_trace.parse(_buffer(blocks), NAMES, 32))
+    assert rows == [[0, 0, 0.0, 2, 100.0], [1, 0, 0.5, 2, 100.0], [2, 1, 0.0, 2, 100.0]]

@@ -39,6 +39,7 @@ of dQ varies from run to run.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -138,13 +139,16 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 def s_fn(s_ref):
                     plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
                     return probs(s_ref, lse_row(), 0)
-                p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
+                with jax.named_scope("sp"):  # trace regions within a step (TRACE_ENV)
+                    p = pl.run_scoped(s_fn, plgpu.ACC((bq, bk), F32))
 
                 def front(refs):
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
                     grads(p, dv_ref, dp_ref)
-                dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                with jax.named_scope("front"):
+                    dv, _ = pl.run_state(front)((plgpu.ACC.init(dv),
+                                                 plgpu.ACC.init(zeros)))
             else:  # S and dP together, P formed while dP runs
                 def front(refs):
                     dv_ref, s_ref, dp_ref = refs
@@ -156,8 +160,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             plgpu.barrier_arrive(do_free.at[slot])
             # both consumers' dS are stored: each multiplies all 2 * bk keys' dS by
             # half of K's columns
-            plgpu.barrier_arrive(ds_ready.at[par])
-            plgpu.barrier_wait(ds_ready.at[par])
+            with jax.named_scope("meet"):
+                plgpu.barrier_arrive(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[par])
             cols = pl.ds(pl.multiple_of(wg * half, half), half)
             zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
 
@@ -168,10 +173,12 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 for w in range(2):  # (w_own - wg + w: w, as the step's index)
                     kk = k_smem.at[w_own - wg + w, :, cols]
                     plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
-            dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
-            plgpu.barrier_arrive(q_free.at[slot])
-            reduce_add_dq(dq_smem.at[wg], dq, lambda: dq_ref.at[
-                b, pl.ds(start, bq), kvh * g + hh].at[:, cols])
+            with jax.named_scope("back"):
+                dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+                plgpu.barrier_arrive(q_free.at[slot])
+            with jax.named_scope("red"):
+                reduce_add_dq(dq_smem.at[wg], dq, lambda: dq_ref.at[
+                    b, pl.ds(start, bq), kvh * g + hh].at[:, cols])
             return dk, dv
 
         return step
