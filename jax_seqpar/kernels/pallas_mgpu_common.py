@@ -154,8 +154,9 @@ class MgpuConfig:
     blocks most tiles first) instead of sorted by tile count across all documents, so
     the CTAs running at once read fewer documents' keys and values.  On one H200, packed
     documents around 4k at 64k tokens, three runs: the forward 0.9-1.7% and the dQ
-    kernel 2.4-3.9% faster, the whole call 1.0-1.9 points of cuDNN's rate higher, the
-    same bits.  The dK/dV kernel keeps the order by tile count: grouped by document
+    kernel 2.4-3.9% faster, the whole call 1.0-1.9 points of cuDNN's rate higher in
+    ``packed_batch.py``'s rounds (``packed.py``'s read of the bar moved less than its
+    spread between runs), the same bits.  The dK/dV kernel keeps the order by tile count: grouped by document
     (from the segment ids) it read 0.5% and 2.5% slower in two runs.
     """
 
