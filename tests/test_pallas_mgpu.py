@@ -306,7 +306,10 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
         [dict(atomic_dq=True, split_dq=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True),
          dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False)]
+         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False),
+         dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=True),
+         dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=True,
+              dv_with_dp=False)]
         if D >= 128 else [])
     for kw in variants:
         atomic = kw["atomic_dq"]
@@ -760,3 +763,39 @@ def test_persistent_forward_lowers(T, seg, tile, monkeypatch):
         _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
                                                     config=big, tile=tile),
                  q, kv, kv, *pos, *segs)
+
+
+@pytest.mark.parametrize("seg", [False, True])
+def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
+    """``early_dq``: the fused kernel issues its dQ half before dK and waits for the dQ
+    products alone (``wgmma.wait_group 1``: dK still in flight) before each step's TMA
+    reduce-add; without it the step waits for both products (``wait_group 0``)."""
+    import jax.experimental.mosaic.gpu.core as mcore
+    modules, serde = [], mcore._run_serde_pass
+
+    def spy(module, *a, **k):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, *a, **k)
+    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
+    T = 512
+    q, kv = SDS((1, T, 2, 128), BF16), SDS((1, T, 2, 128), BF16)
+    pos = [SDS((T,), jnp.int32)] * 2
+    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
+    lse = SDS((1, 2, T), jnp.float32)
+    last_wait = {}
+    for early in (False, True):
+        c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], atomic_dq=True, split_dq=True,
+                                row_scores=True, early_dq=early)
+        _lowered(lambda q, k, v, o, l, do, a, b, *s: mgpu_bwd(
+            q, k, v, o, l, do, a, b, MaskSpec(causal=True), 0.1, *s, config=c),
+            q, kv, kv, q, lse, q, *pos, *segs)
+        text = modules[-1]
+        marks = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d)|(cp\.reduce\.async\.bulk)",
+                           text)
+        waits = []  # the wgmma wait right before each reduce-add
+        for i, (n, red) in enumerate(marks):
+            if red:
+                waits.append(next(m[0] for m in reversed(marks[:i]) if m[0]))
+        assert len(waits) >= 2  # one step body per mask class at least
+        last_wait[early] = set(waits)
+    assert last_wait == {False: {"0"}, True: {"1"}}

@@ -135,6 +135,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(lse_ready.at[slot])
                 return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
 
+            if config.back_with_s:
+                return lagged(j, slot, par, w_own, kt, vt, dk, dv, probs, grads, lse_row,
+                              zeros)
             if config.dv_with_dp:  # S alone, then dP and dV together
                 def s_fn(s_ref):
                     plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
@@ -166,22 +169,123 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             cols = pl.ds(pl.multiple_of(wg * half, half), half)
             zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
 
-            def back(refs):
-                dk_ref_, dq_ref_ = refs
+            def dq_dst():
+                return dq_ref.at[b, pl.ds(start, bq), kvh * g + hh].at[:, cols]
+
+            def dk_product(dk_ref_):
                 plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
                             q_smem.at[slot])
+
+            def dq_products(dq_ref_):
                 for w in range(2):  # (w_own - wg + w: w, as the step's index)
                     kk = k_smem.at[w_own - wg + w, :, cols]
                     plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
+
+            if config.early_dq:  # the dQ half first; its reduce-add runs beside dK
+                def back(refs):
+                    dk_ref_, dq_ref_ = refs
+                    dq_products(dq_ref_)
+                    dk_product(dk_ref_)
+                    dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=1)  # dK runs on
+                    with jax.named_scope("red"):
+                        reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
+                with jax.named_scope("back"):
+                    dk, _ = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
+                    plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
+            def back(refs):
+                dk_ref_, dq_ref_ = refs
+                dk_product(dk_ref_)
+                dq_products(dq_ref_)
             with jax.named_scope("back"):
                 dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
             with jax.named_scope("red"):
-                reduce_add_dq(dq_smem.at[wg], dq, lambda: dq_ref.at[
-                    b, pl.ds(start, bq), kvh * g + hh].at[:, cols])
+                reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
             return dk, dv
 
-        return step
+        cols = pl.ds(pl.multiple_of(wg * half, half), half)
+
+        def prev_of(j):
+            """Step ``j - 1``'s ring slot, dS parity, first query row and query head
+            (``j == 0``: slot 0 and parity 1, whose dS this consumer zeroed)."""
+            jp = jnp.maximum(j - 1, 0)
+            hp = lax.div(jp, count)
+            pstart = tbl_ref[b, blk, jp - hp * count + 2] * bq
+            return lax.rem(jp, jnp.int32(stages)), lax.rem(j + 1, jnp.int32(2)), pstart, hp
+
+        def back_products(dk_ref_, dq_ref_, pslot, ppar, own, first):
+            """dQ's half (both consumers' dS times half of K's columns), then ``dK +=
+            dS^T Q``, of the step whose dS has parity ``ppar``; ``first``: no such step
+            yet, so this consumer's zeroed dS and its own K block only (the products
+            add 0 to dK; dQ's is not stored)."""
+            for w in range(2):
+                src = jnp.where(first, wg, w)
+                plgpu.wgmma(dq_ref_, ds_smem.at[ppar, src],
+                            k_smem.at[jnp.where(first, own, own - wg + w), :, cols])
+            plgpu.wgmma(dk_ref_, ds_smem.at[ppar, wg].transpose((1, 0)), q_smem.at[pslot])
+
+        def dq_dst(pstart, hp):
+            return lambda: dq_ref.at[b, pl.ds(pstart, bq), kvh * g + hp].at[:, cols]
+
+        def lagged(j, slot, par, w_own, kt, vt, dk, dv, probs, grads, lse_row, zeros):
+            """``back_with_s``: this tile's ``S`` issued with the last tile's dQ half and
+            dK, so that the exponentials and the last dQ's reduce-add run while those
+            products do; then ``dP`` and ``dV``, ``dS`` stored, the consumers meet."""
+            pslot, ppar, pstart, hp = prev_of(j)
+            first = j == 0
+
+            def sp(s_ref, dk_ref_, dq_ref_):
+                dk_ref_[...] = dk
+                plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
+                back_products(dk_ref_, dq_ref_, pslot, ppar, w_own, first)
+                p = probs(s_ref, lse_row(), 3)  # S done; dQ and dK run on
+                dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=1)  # dK runs on
+                with jax.named_scope("red"):
+                    pl.when(jnp.logical_not(first))(
+                        lambda: reduce_add_dq(dq_smem.at[wg], dq, dq_dst(pstart, hp)))
+                return p, dk_ref_[...]
+            with jax.named_scope("sp"):
+                p, dk = pl.run_scoped(sp, plgpu.ACC((bq, bk), F32), plgpu.ACC((bk, D), F32),
+                                      plgpu.ACC((bq, half), F32))
+                pl.when(jnp.logical_not(first))(
+                    lambda: plgpu.barrier_arrive(q_free.at[pslot]))
+
+            def front(refs):
+                dv_ref, dp_ref = refs
+                plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
+                grads(p, dv_ref, dp_ref)
+            with jax.named_scope("front"):
+                dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(do_free.at[slot])
+            with jax.named_scope("meet"):
+                plgpu.barrier_arrive(ds_ready.at[par])
+                plgpu.barrier_wait(ds_ready.at[par])
+            return dk, dv
+
+        def finish(dk, dv):
+            """The last step's dQ half and dK (``back_with_s``), if the CTA had steps."""
+            def flush(dk):
+                last = g * count
+                pslot, ppar, pstart, hp = prev_of(last)
+                own = step_index(wg, pstart)
+
+                def back(dk_ref_, dq_ref_):
+                    dk_ref_[...] = dk
+                    back_products(dk_ref_, dq_ref_, pslot, ppar, own, False)
+                    dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=1)
+                    reduce_add_dq(dq_smem.at[wg], dq, dq_dst(pstart, hp))
+                    return dk_ref_[...]
+                return pl.run_scoped(back, plgpu.ACC((bk, D), F32), plgpu.ACC((bq, half), F32))
+            return lax.cond(count > 0, flush, lambda dk: dk, dk), dv
+
+        if not config.back_with_s:
+            return step
+        # step 0's "last tile": this consumer's dS of parity 1, zeroed
+        ds_smem.at[1, wg][...] = plgpu.layout_cast(jnp.full((bq, bk), 0, dtype), WGMMA)
+        plgpu.commit_smem()
+        return step, finish
 
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
