@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "back_with_s")
+               "dq_with_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ class MgpuConfig:
     persistent: bool = False
     doc_order: bool = True
     early_dq: bool = False
-    back_with_s: bool = False
+    dq_with_s: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -203,8 +203,8 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.persistent=True runs its producer as a warpgroup "
                              "(its loop over items is a while loop, which Mosaic GPU does "
                              "not lower in a single warp); set warp_producer=False")
-        if self.back_with_s and not self.row_scores:
-            raise ValueError("MgpuConfig.back_with_s=True needs row_scores=True (it orders "
+        if self.dq_with_s and not self.row_scores:
+            raise ValueError("MgpuConfig.dq_with_s=True needs row_scores=True (it orders "
                              "the fused backward's products)")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
