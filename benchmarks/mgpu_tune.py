@@ -12,10 +12,16 @@ heads, bf16, and each of ``--phases`` (fwd, bwd):
 * timing is on the device's clock (``_profile.device_rounds``: all candidates of a phase
   in a fresh order each round, one synchronised call each, first kernel start to last
   kernel end), falling back to the wall clock when the trace cannot be read;
-* the fastest forward and backward halves form the table entry, with both times and
-  the default's beside them.
+* ``--timer sustained`` instead reads each candidate at the rate it keeps up back to
+  back for ``--window-s`` seconds, in a fresh order each round
+  (``mgpu_tuning.sustained_timer``): at the power cap, where training runs and where a
+  kernel that does less work per call runs at a higher clock;
+* the fastest forward and backward halves form the table entry, with both times, the
+  default's and the timer beside them.
 
     python benchmarks/mgpu_tune.py --dims 128 --out $OUT/tune_d128.json
+    python benchmarks/mgpu_tune.py --dims 128 --masks segments --phases bwd \
+        --timer sustained --rounds 3 --out $OUT/tune_seg.json
     python benchmarks/mgpu_tune.py --merge a.json b.json --table jax_seqpar/kernels/mgpu_tuned.json
 
 Merging updates the table's entries of the runs' classes (a phase a run did not tune
@@ -28,8 +34,6 @@ The table is read by ``PallasMgpuKernel`` (``kernels/mgpu_tuning.py``); RESULTS.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import sys
 import time
@@ -85,9 +89,20 @@ def packed_segments(S, mean=4096, seed=0):
     return jnp.asarray(packed_ids(lognormal_lengths(mean, S, seed), S)[None], jnp.int32)
 
 
-def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd")):
+def _sustained(window_s):
+    """``mgpu_tuning.sustained_timer`` over the candidates' calls, each blocked on."""
+    timer = mt.sustained_timer(window_s)
+
+    def run(runs, rounds):
+        return timer({c: (lambda go=go: jax.block_until_ready(go())) for c, go in runs.items()},
+                     rounds)
+    return run
+
+
+def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd"), window_s=None):
     """Forward and backward rankings of one (head dim, mask) class: ``mask_kind`` is
-    ``none``, ``causal`` or ``segments`` (causal packed documents around 4k tokens)."""
+    ``none``, ``causal`` or ``segments`` (causal packed documents around 4k tokens);
+    ``window_s``: the sustained timer's window (None: the device clock)."""
     masked = mask_kind != "none"
     ks = jax.random.split(jax.random.PRNGKey(D + masked), 4)
     q, k, v, do = (jax.random.normal(x, (1, S, H, D), jnp.bfloat16) for x in ks)
@@ -143,8 +158,8 @@ def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd")):
         key_default = mt.fields_of(default, fields)
         if all(mt.fields_of(c, fields) != key_default for c in cands):
             cands = [default] + list(cands)
-        ranked = mt.autotune(cands, build, rounds=rounds, timer=_timer(reps[phase]),
-                             on_error=errors)
+        timer = _timer(reps[phase]) if window_s is None else _sustained(window_s)
+        ranked = mt.autotune(cands, build, rounds=rounds, timer=timer, on_error=errors)
         rows = [dict(fields=mt.fields_of(c, fields), ms=ms) for c, ms in ranked]
         dflt = [r["ms"] for r in rows if r["fields"] == key_default]
         out[phase] = dict(ranked=rows, best=rows[0]["fields"], best_ms=rows[0]["ms"],
@@ -215,7 +230,8 @@ def entries_from(run: dict, old: dict) -> dict:
             entry.update({phase: c[phase]["best"],
                           f"{phase}_ms": round(c[phase]["best_ms"], 4),
                           f"{phase}_default_ms": dflt and round(dflt, 4),
-                          f"{phase}_date": run["env"]["date"]})
+                          f"{phase}_date": run["env"]["date"],
+                          f"{phase}_timer": run.get("timer", "device")})
         entry.update(seq=c.get("seq", run["seq"]), heads=run["heads"], date=run["env"]["date"],
                      jax=run["env"]["jax"])
         out[key] = entry
@@ -236,6 +252,11 @@ def main():
     p.add_argument("--merge", nargs="+", default=None,
                    help="run files to merge into --table instead of tuning")
     p.add_argument("--table", default=None, help="table file to write (merge mode)")
+    p.add_argument("--timer", choices=("device", "sustained"), default="device",
+                   help="device: single calls in rotation on the device's clock; sustained: "
+                        "each candidate back to back for --window-s, at the power cap")
+    p.add_argument("--window-s", type=float, default=2.0,
+                   help="seconds of back-to-back calls per candidate and round (sustained)")
     p.add_argument("--general", action="store_true",
                    help="time the table's general causal tiles against the defaults instead")
     args = p.parse_args()
@@ -258,6 +279,8 @@ def main():
             f.write("\n")
         print(f"wrote {len(entries)} entries to {args.table}")
         return 0
+    if not args.window_s > 0:
+        p.error(f"--window-s: expected > 0, got {args.window_s}")
     if jax.default_backend() != "gpu":
         p.error("tuning needs a Hopper GPU")
 
@@ -270,6 +293,7 @@ def main():
                   args.out)
         return 0
     run = dict(env=env_info(), seq=args.seq, heads=args.heads, rounds=args.rounds,
+               timer=args.timer, window_s=args.window_s if args.timer == "sustained" else None,
                classes=[])
     for D in (int(x) for x in args.dims.split(",")):
         for m in args.masks.split(","):
@@ -283,7 +307,8 @@ def main():
             fwd_ms = flops / 500e12 * 1e3
             reps = {"fwd": max(1, round(20 / fwd_ms)), "bwd": max(1, round(20 / (2.5 * fwd_ms)))}
             res = tune_class(D, m, S, args.heads, args.rounds, reps, log,
-                             phases=args.phases.split(","))
+                             phases=args.phases.split(","),
+                             window_s=args.window_s if args.timer == "sustained" else None)
             run["classes"].append(dict(D=D, mask=m, seq=S, reps=reps, **res))
             save_json(run, args.out)
     print(json.dumps(entries_from(run, {}), indent=1))

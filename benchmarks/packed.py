@@ -77,6 +77,7 @@ from jax_seqpar.masks import MaskSpec  # noqa: E402
 from jax_seqpar.parallel.choose import choose_layout, segments_from_lengths  # noqa: E402
 from jax_seqpar.reference import reference_attention  # noqa: E402
 from _profile import device_rounds  # noqa: E402
+from kernels import parse_mgpu_variant  # noqa: E402
 from _util import (env_info, out_dir, pyplot, round_order, save_json,  # noqa: E402
                    sustained_rounds)
 
@@ -376,6 +377,9 @@ def run_bench(args, on_gpu, sizes):
         fns["packed pallas"] = (_attn_fns(mesh, "pallas" if on_gpu else PallasKernel(
             config=PallasConfig(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)),
             True), True)
+        for text in args.mgpu_variant:  # the packed call with MgpuConfig fields replaced
+            name, kern = parse_mgpu_variant(text)
+            fns[f"packed {name}"] = (_attn_fns(mesh, kern, True), True)
         if hopper and not args.quick:  # the packed default's other dQ path
             name, kern = list(_mgpu_variants(D).items())[1]
             fns["packed mgpu " + name[len("pallas_mgpu_"):].replace("_", " ")] = (
@@ -635,8 +639,17 @@ def main(argv=None):
     p.add_argument("--train-need-s", type=float, default=110.0,
                    help="the train phase starts only with this much of the budget left "
                         "(two compilations of the 1B step)")
+    p.add_argument("--mgpu-variant", action="append", default=[],
+                   help="NAME:field=value,...: bench also times the packed call through "
+                        "pallas_mgpu with these MgpuConfig fields replaced (Hopper only)")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
+    try:
+        [parse_mgpu_variant(t) for t in args.mgpu_variant]
+    except ValueError as e:
+        p.error(str(e))
+    if args.mgpu_variant and not (on_gpu and is_hopper()):
+        p.error("--mgpu-variant: pallas_mgpu needs a Hopper GPU")
     if args.dry_run:
         args.sizes = args.sizes or "512"
         args.doc_means = args.doc_means or "64,256"

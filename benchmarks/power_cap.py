@@ -100,7 +100,21 @@ def main(argv=None):
     p.add_argument("--pause", type=float, default=5.0,
                    help="idle seconds before each function (the clock recovers)")
     p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (xla kernel)")
+    p.add_argument("--mgpu-variant", action="append", default=[],
+                   help="NAME:field=value,...: also the packed call through pallas_mgpu with "
+                        "these MgpuConfig fields replaced (Hopper only)")
+    p.add_argument("--no-extra", dest="extra", action="store_false",
+                   help="leave out pallas_mgpu's one row and the batches of equal rows")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the functions' windows this many times over, in turn")
     a = p.parse_args(argv)
+    from kernels import parse_mgpu_variant
+    try:
+        variants = dict(parse_mgpu_variant(t) for t in a.mgpu_variant)
+    except ValueError as e:
+        p.error(str(e))
+    if a.repeat < 1:
+        p.error(f"--repeat: expected >= 1, got {a.repeat}")
     from packed_batch import _cudnn, _ours
     from packed import _inputs, lognormal_lengths, packed_ids
     on_gpu = jax.default_backend() == "gpu"
@@ -118,7 +132,12 @@ def main(argv=None):
              ((_cudnn() if on_gpu else _ours(mesh, kernel, False)), (*one, None)),
              f"packed lognormal L{L}": (_ours(mesh, kernel, True), (*one, seg))}
     from jax_seqpar.kernels.pallas_mgpu import is_hopper
-    if on_gpu and is_hopper():  # the Hopper kernel on the same work, and short rows
+    hopper = on_gpu and is_hopper()
+    if variants and not hopper:
+        p.error("--mgpu-variant: pallas_mgpu needs a Hopper GPU")
+    for name, kern in variants.items():
+        calls[f"packed lognormal {name} L{L}"] = (_ours(mesh, kern, True), (*one, seg))
+    if hopper and a.extra:  # the Hopper kernel on the same work, and short rows
         calls["mgpu one row"] = (_ours(mesh, "pallas_mgpu", False), (*one, None))
         calls[f"batch cudnn L{L}"] = (_cudnn(), (*batch, None))
         calls[f"batch mgpu L{L}"] = (_ours(mesh, "pallas_mgpu", False), (*batch, None))
@@ -126,7 +145,11 @@ def main(argv=None):
         print("no nvidia-smi here: calls per second only", flush=True)
     rows = {}
     for name, (fn, args) in calls.items():
-        jax.block_until_ready(fn(*args))  # compiled before its window
+        jax.block_until_ready(fn(*args))  # every function compiled before the windows
+    order = [(f"{n} #{i + 1}" if a.repeat > 1 else n, n) for i in range(a.repeat)
+             for n in calls]
+    for name, key in order:
+        fn, args = calls[key]
         time.sleep(a.pause)
         n, took, samples = run_sampled(fn, args, a.seconds, a.period_ms)
         rows[name] = summarize(samples, n, took)

@@ -105,6 +105,47 @@ def test_candidates_fit_and_vary(D):
         (c.block_kv, c.num_stages) for c in fwd if not c.overlap_fwd and c.block_kv <= 128}
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_backward_is_a_candidate_from_d128(D):
+    """``row_scores`` (the fused backward by query row) is tried from D 128, with and
+    without ``dv_with_dp``, on the tiling it was measured with; its field reaches the
+    table (``BWD_FIELDS``), and a table entry may pick it."""
+    fused = [c for c in mt.backward_candidates(D) if c.row_scores]
+    if D == 64:
+        assert fused == []
+        return
+    assert {c.dv_with_dp for c in fused} == {False, True}
+    assert all((c.block_q_bwd, c.block_kv_bwd, c.num_stages_bwd, c.atomic_dq, c.split_dq)
+               == (64, 64, 2, True, True) for c in fused)
+    assert "row_scores" in mt.BWD_FIELDS
+    key = f"{GPU}/bfloat16/d128/aligned/segments"
+    table = mt.parse_table({"entries": {key: {"fwd": {}, "bwd": mt.fields_of(
+        fused[0], mt.BWD_FIELDS)}}})
+    cfg, src = mt.lookup(GPU, "bfloat16", 128, "aligned", "segments", table)
+    assert src == key and cfg.row_scores and cfg.early_dq and not cfg.dv_with_dp
+    causal, _ = mt.lookup(GPU, "bfloat16", 128, "aligned", "causal", table)
+    assert not causal.row_scores  # other classes keep their own
+
+
+def test_sustained_timer_reads_calls_per_window_in_alternation():
+    """``sustained_timer``: each candidate back to back for the window, in a fresh order
+    each round; milliseconds per call, the median over the rounds."""
+    now, calls = [0.0], []
+
+    def run(name, ms):
+        def f():
+            calls.append(name)
+            now[0] += ms / 1e3
+        return f
+    timer = mt.sustained_timer(0.1, clock=lambda: now[0])
+    got = timer({"a": run("a", 2.0), "b": run("b", 30.0)}, rounds=3)
+    assert got == pytest.approx({"a": 2.0, "b": 30.0})
+    assert calls.count("a") == 3 * 50 and calls.count("b") == 3 * 4  # 0.1 s windows
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="window_s"):
+            mt.sustained_timer(bad)
+
+
 def test_autotune_ranks_by_the_timer_and_reports_failures():
     cands = mt.forward_candidates(64)[:4]
     cost = {c: 10.0 - i for i, c in enumerate(cands)}
@@ -200,9 +241,12 @@ def test_tune_script_merges_runs_into_a_table(tmp_path):
         assert mgpu_tune.main() == 0
     finally:
         sys.argv = old
-    table = mt.parse_table(json.loads(table_path.read_text()))
+    raw = json.loads(table_path.read_text())["entries"]
+    table = mt.parse_table({"entries": raw})
     assert set(table) == {f"{GPU}/bfloat16/d128/aligned/causal",
                           f"{GPU}/bfloat16/d64/dense/none"}
+    # which timer read the times: the device clock unless the run says otherwise
+    assert {e["fwd_timer"] for e in raw.values()} == {"device"}
     cfg, _ = mt.lookup(GPU, "bfloat16", 64, "dense", "none", table)
     assert (cfg.block_kv, cfg.block_q_bwd, cfg.atomic_dq) == (256, 128, True)
 

@@ -167,3 +167,35 @@ def test_power_cap_reads_nvidia_smi_lines():
     assert got["sw_power_cap"] == 2 / 3 and got["sw_thermal"] == 1 / 3
     assert got["hw_slowdown"] == 0.0
     assert power_cap.summarize([], 3, 1.0) == dict(calls=3, calls_per_s=3.0, samples=0)
+
+
+def test_power_cap_repeats_windows_and_takes_variants(monkeypatch, capsys):
+    """``power_cap.py --repeat N`` runs every function's window N times in turn (rows
+    named ``#1`` ..); ``--mgpu-variant`` needs a Hopper GPU; bad values are refused."""
+    import packed_batch
+    import power_cap
+    monkeypatch.setattr(packed_batch, "_ours", lambda *a, **k: (lambda *args: 0))
+    monkeypatch.setattr(power_cap, "run_sampled", lambda fn, args, s, p: (4, 2.0, []))
+    monkeypatch.setattr(power_cap, "save_json", lambda *a, **k: None)
+    power_cap.main(["--dry-run", "--repeat", "2", "--pause", "0"])
+    names = [ln.split("  ")[0].strip() for ln in capsys.readouterr().out.splitlines()
+             if "calls/s" in ln]
+    assert names == ["xla one row #1", "packed lognormal L32 #1", "xla one row #2",
+                     "packed lognormal L32 #2"]
+    for argv, msg in ((["--repeat", "0"], "--repeat"),
+                      (["--mgpu-variant", "x:early_dq=true"], "Hopper"),
+                      (["--mgpu-variant", "x:nope=1"], "nope")):
+        with pytest.raises(SystemExit):
+            power_cap.main(["--dry-run", *argv])
+        assert msg in capsys.readouterr().err
+
+
+def test_packed_bench_takes_variants_only_on_hopper(capsys):
+    """``packed.py --mgpu-variant``: refused on a machine without a Hopper GPU, and a
+    field MgpuConfig lacks is named."""
+    import packed
+    for argv, msg in ((["--mgpu-variant", "x:early_dq=true"], "Hopper"),
+                      (["--mgpu-variant", "x:nope=1"], "nope")):
+        with pytest.raises(SystemExit):
+            packed.main(["--dry-run", "--phases", "bench", *argv])
+        assert msg in capsys.readouterr().err

@@ -44,7 +44,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
 
 FWD_FIELDS = ("block_q", "block_kv", "num_stages", "overlap_fwd")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
-              "split_dq", "overlap_bwd", "dv_with_dp")
+              "split_dq", "overlap_bwd", "dv_with_dp", "row_scores")
 MASKS = ("none", "causal", "segments")
 TILES = ("dense", "aligned", "general")
 TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")
@@ -148,7 +148,10 @@ def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConf
     stages, for the two kernels with FA3's in-warpgroup overlap, its dK/dV step order
     and 128-key dQ stages (all measured better before: ``DEFAULT_MGPU_CONFIGS``'s
     comment) and for the atomic-dQ kernel (split between the consumers from D 128),
-    that fit shared memory."""
+    that fit shared memory.  From D 128 also the fused kernel with scores by query row
+    (``row_scores``), with and without ``dv_with_dp``, on the one tiling it was measured
+    with (64 queries and 64 keys per consumer, 2 stages: with 128 keys a consumer's dK and
+    dV alone would take 256 registers a thread)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     variants = [dict(atomic_dq=False, split_dq=False, overlap_bwd=True, dv_with_dp=True,
                      block_kv_dq=128),
@@ -161,6 +164,12 @@ def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConf
                                       num_stages_bwd=stages, **var)
             if backward_smem_bytes(cfg, head_dim, dtype) <= SMEM_LIMIT:
                 out.append(cfg)
+    if head_dim >= 128:
+        for dv_with_dp in (False, True):
+            out.append(dataclasses.replace(
+                base, block_q_bwd=64, block_kv_bwd=64, num_stages_bwd=2, block_kv_dq=128,
+                atomic_dq=True, split_dq=True, row_scores=True, overlap_bwd=False,
+                dv_with_dp=dv_with_dp))
     return out
 
 
@@ -179,6 +188,33 @@ def wall_timer(runs: Mapping, rounds: int, clock: Callable[[], float] = time.per
             runs[names[i]]()
             times[names[i]].append(1e3 * (clock() - t0))
     return {n: statistics.median(times[n]) for n in names}
+
+
+def sustained_timer(window_s: float, clock: Callable[[], float] = time.perf_counter
+                    ) -> Callable:
+    """A timer for ``autotune`` that reads each candidate at the rate it keeps up: in each
+    round, every ``name: fn`` (runs once and blocks) in a fresh seeded order, called back
+    to back for ``window_s`` seconds; milliseconds per call (the window over its calls),
+    the median over the rounds.  Back to back, a GPU runs at its power cap (on an H200
+    about 650 W at 1,670-1,780 MHz, ``benchmarks/power_cap.py``), where a kernel that
+    does less work per call also runs at a higher clock; training runs so.  Single calls
+    in rotation (the device clock) start each from idle, at the boost clock."""
+    if not window_s > 0:
+        raise ValueError(f"window_s={window_s!r} must be > 0")
+
+    def timer(runs: Mapping, rounds: int) -> Dict[object, float]:
+        import numpy as np
+        names = list(runs)
+        times = {n: [] for n in names}
+        for r in range(rounds):
+            for i in np.random.default_rng(r).permutation(len(names)):
+                fn, calls, t0 = runs[names[i]], 0, clock()
+                while clock() - t0 < window_s:
+                    fn()
+                    calls += 1
+                times[names[i]].append(1e3 * (clock() - t0) / calls)
+        return {n: statistics.median(times[n]) for n in names}
+    return timer
 
 
 def autotune(candidates: Sequence[MgpuConfig], build: Callable[[MgpuConfig], Callable],
@@ -210,4 +246,4 @@ def fields_of(config: MgpuConfig, fields: Iterable[str]) -> dict:
 
 __all__ = ["BWD_FIELDS", "FWD_FIELDS", "MASKS", "TABLE_PATH", "TILES", "autotune",
            "backward_candidates", "fields_of", "forward_candidates", "gpu_key", "load_table",
-           "lookup", "parse_table", "table_key", "wall_timer"]
+           "lookup", "parse_table", "sustained_timer", "table_key", "wall_timer"]

@@ -135,9 +135,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_wait(lse_ready.at[slot])
                 return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
 
-            if config.dq_with_s:
-                return lagged(j, slot, par, w_own, kt, vt, dk, dv, probs, grads, lse_row,
-                              zeros)
             if config.dv_with_dp:  # S alone, then dP and dV together
                 def s_fn(s_ref):
                     plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
@@ -205,84 +202,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
             return dk, dv
 
-        cols = pl.ds(pl.multiple_of(wg * half, half), half)
-
-        def prev_of(j):
-            """Step ``j - 1``'s dS parity, first query row and query head (``j == 0``:
-            parity 1, whose dS this consumer zeroed)."""
-            jp = jnp.maximum(j - 1, 0)
-            hp = lax.div(jp, count)
-            pstart = tbl_ref[b, blk, jp - hp * count + 2] * bq
-            return lax.rem(j + 1, jnp.int32(2)), pstart, hp
-
-        def dq_half(dq_ref_, ppar, own, first):
-            """dQ's half of the step whose dS has parity ``ppar``: both consumers' dS
-            times half of K's columns; ``first``: no such step yet, so this consumer's
-            zeroed dS and its own K block (a product not stored)."""
-            for w in range(2):
-                plgpu.wgmma(dq_ref_, ds_smem.at[ppar, jnp.where(first, wg, w)],
-                            k_smem.at[jnp.where(first, own, own - wg + w), :, cols])
-
-        def dq_dst(pstart, hp):
-            return lambda: dq_ref.at[b, pl.ds(pstart, bq), kvh * g + hp].at[:, cols]
-
-        def lagged(j, slot, par, w_own, kt, vt, dk, dv, probs, grads, lse_row, zeros):
-            """``dq_with_s``: this tile's ``S`` issued with the last tile's dQ half, so
-            that the exponentials, ``P``'s store and that dQ's reduce-add run while the
-            dQ products do; then ``dP`` and ``dV`` (``dS`` formed while ``dV`` runs),
-            the consumers' meeting, ``dK`` alone."""
-            ppar, pstart, hp = prev_of(j)
-            first = j == 0
-
-            def sp(s_ref, dq_ref_):
-                plgpu.wgmma(s_ref, q_smem.at[slot], kt.transpose((1, 0)))
-                dq_half(dq_ref_, ppar, w_own, first)
-                p = probs(s_ref, lse_row(), 2)  # S done; the dQ half runs on
-                dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=0)
-                with jax.named_scope("red"):
-                    pl.when(jnp.logical_not(first))(
-                        lambda: reduce_add_dq(dq_smem.at[wg], dq, dq_dst(pstart, hp)))
-                return p
-            with jax.named_scope("sp"):
-                p = pl.run_scoped(sp, plgpu.ACC((bq, bk), F32), plgpu.ACC((bq, half), F32))
-
-            def front(refs):
-                dv_ref, dp_ref = refs
-                plgpu.wgmma(dp_ref, do_smem.at[slot], vt.transpose((1, 0)))
-                grads(p, dv_ref, dp_ref)
-            with jax.named_scope("front"):
-                dv, _ = pl.run_state(front)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-            plgpu.barrier_arrive(do_free.at[slot])
-            with jax.named_scope("meet"):
-                plgpu.barrier_arrive(ds_ready.at[par])
-                plgpu.barrier_wait(ds_ready.at[par])
-
-            def back(dk_ref_):
-                plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)), q_smem.at[slot])
-            with jax.named_scope("back"):
-                dk = pl.run_state(back)(plgpu.ACC.init(dk))
-                plgpu.barrier_arrive(q_free.at[slot])
-            return dk, dv
-
-        def finish(dk, dv):
-            """The last step's dQ half (``dq_with_s``), if the CTA had steps."""
-            @pl.when(count > 0)
-            def _():
-                ppar, pstart, hp = prev_of(g * count)
-
-                def last(dq_ref_):
-                    dq_half(dq_ref_, ppar, step_index(wg, pstart), False)
-                    reduce_add_dq(dq_smem.at[wg], plgpu.wgmma_accumulator_load(dq_ref_),
-                                  dq_dst(pstart, hp))
-                pl.run_scoped(last, plgpu.ACC((bq, half), F32))
-            return dk, dv
-
-        if not config.dq_with_s:
-            return step
-        # step 0's "last tile": this consumer's dS of parity 1, zeroed
-        ds_smem.at[1, wg][...] = plgpu.layout_cast(jnp.full((bq, bk), 0, dtype), WGMMA)
-        plgpu.commit_smem()
-        return step, finish
+        return step
 
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))

@@ -225,8 +225,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     absent ids or dQ), its ``(smem, ready, free)`` (``kv_stationary_scratch``'s blocks,
     then ``extra_smem``; with ``split``, a third "free" barrier pair: dS stored), the
     CTA's ``kv_cta``, the consumer's first key row and its K block; it returns ``step(t,
-    carry, hh, mode) -> (dk, dv)``, or that and ``finish(dk, dv) -> (dk, dv)``, run after
-    the last step."""
+    carry, hh, mode) -> (dk, dv)``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
@@ -247,13 +246,10 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
                                               blk, bk, kvh, wg)
-            made = make_step(refs, scoped, cta, row0, kw)
-            step, finish = made if isinstance(made, tuple) else (made, None)
+            step = traced("step")(make_step(refs, scoped, cta, row0, kw))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
-                                         classes, masked, traced("step")(step), (bk, D))
-                if finish is not None:
-                    dk, dv = finish(dk, dv)
+                                         classes, masked, step, (bk, D))
             with jax.named_scope("out"):
                 if split:
                     ds_ready_once_more(free[2], g, count)
