@@ -32,9 +32,10 @@ bytes a thread; 124 this way, on one H100).
 
 Step order, with ``MgpuConfig.dv_with_dp`` (FlashAttention-3's): ``S`` alone; ``P``
 formed and stored; ``dP`` and ``dV`` issued together, ``dS`` formed while ``dV`` runs,
-stored; the barrier; ``dK`` and the dQ half issued together.  Without it ``S`` and
-``dP`` are issued together and ``P`` is formed while ``dP`` runs.  The summation order
-of dQ varies from run to run.
+stored; the barrier; the dQ half and ``dK`` issued together, and with ``early_dq``
+(the default) the dQ half first, its reduce-add running while ``dK`` does.  Without
+``dv_with_dp`` ``S`` and ``dP`` are issued together and ``P`` is formed while ``dP``
+runs.  The summation order of dQ varies from run to run.
 """
 
 from __future__ import annotations
