@@ -790,7 +790,7 @@ def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
             q, k, v, o, l, do, a, b, MaskSpec(causal=True), 0.1, *s, config=c),
             q, kv, kv, q, lse, q, *pos, *segs)
         text = modules[-1]
-        marks = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d)|(cp\.reduce\.async\.bulk)",
+        marks = re.findall(r"wgmma\.wait[._]group\.sync\.aligned (\d)|(cp\.reduce\.async\.bulk)",
                            text)
         waits = []  # the wgmma wait right before each reduce-add
         for i, (n, red) in enumerate(marks):
