@@ -13,6 +13,8 @@ bar's case) and, on Hopper, ``pallas_mgpu`` on the same row and both on a batch 
 equal rows as long as the mean document.
 
     python benchmarks/power_cap.py                 # one H100/H200, about a minute
+    V=fused:atomic_dq=true,split_dq=true,row_scores=true,dv_with_dp=false
+    python benchmarks/power_cap.py --no-extra --repeat 3 --mgpu-variant $V   # two ways, in turn
     python benchmarks/power_cap.py --dry-run       # CPU: no nvidia-smi, says so
 """
 
