@@ -156,8 +156,9 @@ class MgpuConfig:
     documents around 4k at 64k tokens, three runs: the forward 0.9-1.7% and the dQ
     kernel 2.4-3.9% faster, the whole call 1.0-1.9 points of cuDNN's rate higher in
     ``packed_batch.py``'s rounds (``packed.py``'s read of the bar moved less than its
-    spread between runs), the same bits.  The dK/dV kernel keeps the order by tile count: grouped by document
-    (from the segment ids) it read 0.5% and 2.5% slower in two runs.
+    spread between runs), the same bits.  The dK/dV kernel keeps the order by tile
+    count: grouped by document (from the segment ids) it read 0.5% and 2.5% slower in
+    two runs.
     ``early_dq`` (the fused kernel of ``row_scores``): a step issues its dQ half before
     its ``dK`` product and waits for the dQ products alone, so the dQ half's reduce-add
     (its store to shared memory and the TMA) runs while ``dK`` is on the tensor cores.
