@@ -112,7 +112,11 @@ class MgpuConfig:
     On one H100 it ran level with the two kernels (forward + backward -0.8 to +2.6
     points of cuDNN's rate at 16k and 64k; packed documents 77.4% and 82.9% against
     79.7% and 83.0%): its kernel is 1-4% faster than the two backward kernels together,
-    and the zeroed float32 dQ and the pass over it give that back, so off (RESULTS.md).
+    and the zeroed float32 dQ and the pass over it give that back, so off in the
+    defaults.  On one H200 (2026-12-02) the tuner ranked it first in all three D 128
+    classes, with ``early_dq``: 4.97 against 5.30 ms (causal, 16k) and 9.82 against
+    10.38 (dense) on the device's clock, 8.46 against 9.11 on packed documents back to
+    back at the power cap; the H200's table takes it there (RESULTS.md).
     ``step_descriptors`` (the two-kernel backward): a consumer's own blocks (K and V in
     the dK/dV kernel, Q and dO in the dQ kernel) are indexed in each step through
     ``step_index``, so that the wgmma descriptors of those operands are formed in the
