@@ -163,6 +163,22 @@ def parse_mgpu_variant(text):
     return name, MgpuVariant(name=name, overrides=tuple(over))
 
 
+def unused_variants(names, phases, check_kernels=None, bench_kernels=None):
+    """The ``--mgpu-variant`` names that no phase of this run would call: ``check`` takes
+    every backend unless ``--check-kernels`` names some, ``bench`` likewise with
+    ``--bench-kernels``; ``pair`` and ``breakdown`` only those ``--bench-kernels`` names."""
+    check = None if not check_kernels else set(check_kernels.split(","))
+    bench = None if not bench_kernels else set(bench_kernels.split(","))
+    used = set()
+    if "check" in phases:
+        used |= set(names) if check is None else set(names) & check
+    if "bench" in phases:
+        used |= set(names) if bench is None else set(names) & bench
+    if {"pair", "breakdown"} & set(phases) and bench is not None:
+        used |= set(names) & bench
+    return [n for n in names if n not in used]
+
+
 def _positions(kind, Tq, Tk):
     if kind == "contiguous":
         return np.arange(Tq) + (Tk - Tq if Tk > Tq else 0), np.arange(Tk)
@@ -561,6 +577,11 @@ def main():
         except ValueError as e:
             p.error(str(e))
         kernels[name] = kern
+    unused = unused_variants([parse_mgpu_variant(t)[0] for t in args.mgpu_variant], phases,
+                             args.check_kernels, args.bench_kernels)
+    if unused:
+        p.error(f"--mgpu-variant {', '.join(unused)}: no phase of this run calls it; name it "
+                f"in --check-kernels or --bench-kernels as well")
     result = {"env": info}
     path = os.path.join(out_dir(), f"kernels_{'gpu' if on_gpu else 'cpu'}.json")
     ok = True

@@ -648,6 +648,15 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     for bad in ("two:nope=1", "two", "two:block_q=x"):
         with pytest.raises(ValueError):
             kb.parse_mgpu_variant(bad)
+    # a variant that no phase calls is refused, not silently left out of the run
+    un = kb.unused_variants
+    assert un(["two"], ["pair"], None, "tokamax_direct,pallas_mgpu") == ["two"]
+    assert un(["two"], ["pair"], None, None) == ["two"]
+    assert un(["two"], ["pair"], None, "pallas_mgpu,two") == []
+    assert un(["two", "b"], ["check"], None, None) == []
+    assert un(["two", "b"], ["check"], "pallas_mgpu,b", None) == ["two"]
+    assert un(["two"], ["bench"], None, None) == []
+    assert un(["two"], ["breakdown"], "two", "pallas_mgpu") == ["two"]
     # with the call's dtype and mask, the fields replace the tuned table's pick
     tuned = dataclasses.replace(DEFAULT_MGPU_CONFIGS[64], block_kv=256, num_stages=3)
     monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
