@@ -101,6 +101,40 @@ def test_split_dq_needs_head_dim_128(kw, name):
         _lowered(bwd, SDS((1, 256, 2, 64), BF16), SDS((1, 2, 256), jnp.float32))
 
 
+
+@pytest.mark.parametrize("kw", [dict(), dict(split_dq=True, row_scores=True)])
+def test_each_call_zeroes_its_own_dq_after_its_delta(kw):
+    """The float32 dQ that an atomic-dQ backward adds into is a broadcast of a zero tied
+    to that call's delta by an ``optimization_barrier``, one per call: a zero broadcast
+    from a constant let XLA merge the zeros of every call into one multi-output
+    broadcast that allocated all of them at once (``pallas_mgpu_bwd.zeroed_dq``)."""
+    import re
+    cfg = MgpuConfig(atomic_dq=True, **kw)
+    T = 256
+    pos = jnp.arange(T)
+
+    def two_calls(q, k, v, o, lse, do):
+        dq, _, _ = mgpu_bwd(q, k, v, o, lse, do, pos, pos, MaskSpec(causal=True), 0.1,
+                            config=cfg)
+        return mgpu_bwd(q, k, v, o, lse, dq.astype(BF16), pos, pos, MaskSpec(causal=True),
+                        0.1, config=cfg)
+    x = SDS((1, T, 2, 128), BF16)
+    txt = _lowered(two_calls, x, x, x, x, SDS((1, 2, T), jnp.float32), x)
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"(%[\w]+)(?::\d+)? = (.*)", txt)}
+    calls = re.findall(r"custom_call @mosaic_gpu_v2\(([^)]*)\)", txt)
+    assert len(calls) == 2, calls  # the fused kernel, no separate dQ kernel
+    barriers = set()
+    for operands in calls:
+        acc = operands.split(", ")[-1]  # the dQ Ref is the last operand
+        init = defs[acc]
+        assert init.startswith("stablehlo.broadcast_in_dim") and "1x256x2x128xf32" in init, init
+        zero = re.match(r"stablehlo.broadcast_in_dim (%\w+)#0", init)
+        assert zero, init  # not a constant: the first result of a tuple-valued op
+        assert defs[zero.group(1)].startswith("stablehlo.optimization_barrier"), defs[zero.group(1)]
+        barriers.add(zero.group(1))
+    assert len(barriers) == 2
+
+
 def test_step_index_is_the_index_for_every_list_entry():
     """``step_index`` (``MgpuConfig.step_descriptors``, the fused kernel) must give back
     the consumer's own index for every tile-list entry (never negative), and the index

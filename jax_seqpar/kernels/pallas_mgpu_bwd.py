@@ -464,6 +464,17 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
 
 
 # --------------------------------------------------------------------------- driver
+def zeroed_dq(shape, after):
+    """The zeroed float32 dQ that the atomic-dQ kernels add into, made from a zero that
+    an ``optimization_barrier`` ties to ``after`` (this call's delta).  From a constant,
+    XLA merged the zeros of every call in a program into one multi-output broadcast,
+    which allocates all of them at once: a 7B step at 128k tokens (32 layers, three
+    calls each) asked for 114 GiB of temporaries instead of 54 (RESULTS.md, "auto on
+    the H200")."""
+    zero, _ = lax.optimization_barrier((jnp.zeros((), F32), after))
+    return jnp.broadcast_to(zero, shape)
+
+
 def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
              kv_seg=None, delta=None, *, config: MgpuConfig):
     """``(dq, dk, dv)`` in float32, shapes of ``q, k, v``; see the module docstring."""
@@ -500,7 +511,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
                        classes=classes_dkdv, **seg_kw)
     if config.atomic_dq:
-        dq_acc = jax.new_ref(jnp.zeros((B, Lq, Hq, D), F32))
+        dq_acc = jax.new_ref(zeroed_dq((B, Lq, Hq, D), dl))
         args = (tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
