@@ -2,10 +2,11 @@
 
 One AdamW training step (forward, backward, update) of ``models.Llama`` with the
 sequence sharded over G devices (ring attention, zigzag, ``backward="auto"``,
-``kernel="auto"``, a remat policy), bf16 compute with float32 master weights and
-optimizer state, and parameters + gradients + optimizer state either fully sharded over
-the same devices (``--params fsdp``, ``jax_seqpar.sharding.fsdp``: XLA gathers each weight where a
-layer uses it) or replicated (``--params replicated``).
+``kernel="auto"`` unless ``--kernel`` names a backend, a remat policy), bf16 compute
+with float32 master weights and optimizer state, and parameters + gradients + optimizer
+state either fully sharded over the same devices (``--params fsdp``,
+``jax_seqpar.sharding.fsdp``: XLA gathers each weight where a layer uses it) or
+replicated (``--params replicated``).
 
 Model FLOPs per token (counted, not measured; no recomputation counted):
 ``6 * N_matmul`` for the weight matmuls forward + backward (``N_matmul``: parameters of
@@ -183,7 +184,7 @@ def matmul_rate(n=8192):
 
 def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str,
           lr=1e-4, seed=0, packed=None, opt_memory="device", mesh_sizes=None,
-          scan_layers=False, rows=None):
+          scan_layers=False, rows=None, kernel="auto"):
     """``(step, state, batches, cfg, (state_bytes, params_bytes, per_layer), lengths)``
     (``per_layer``: ``layer_param_bytes``); ``step(state, batch)`` ->
     ``(state, metrics)`` (``jax_seqpar.training.make_train_step``: jitted, the state
@@ -203,12 +204,12 @@ def build(size: str, G: int, S: int, *, dtype: str, remat: str, params_mode: str
                       remat_offload=offload, scan_layers=scan_layers)
     if mesh_sizes is None:
         mesh = jax.make_mesh((G,), ("sp",), axis_types=(AxisType.Auto,), devices=devs)
-        model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel="auto")
+        model = Llama(cfg, mesh=mesh, layout="zigzag", backward="auto", kernel=kernel)
         seq, B = NamedSharding(mesh, P(None, "sp")), batch_rows(None, rows)
     else:
         mesh, par = make_mesh(mesh_sizes, devs)
         model = Llama(cfg, mesh=mesh, parallelism=par, layout="zigzag", backward="auto",
-                      kernel="auto")
+                      kernel=kernel)
         seq = par.sharding(mesh, ("batch", "length"))
         B = batch_rows(mesh_sizes, rows)
         if packed is not None:
@@ -417,13 +418,14 @@ def host_peak_gib() -> float:
 
 def measure(size, G, S, *, dtype, remat, params_mode, steps, peak, rate, packed=None,
             account=False, profile=None, opt_memory="device", mesh_sizes=None,
-            scan_layers=False, rows=None, predicted=None):
+            scan_layers=False, rows=None, predicted=None, kernel="auto"):
     """One row per batch kind (``unpacked``; with ``packed``, ``packed`` first): each
     compiled and run once, then ``steps`` timed steps of each, alternating.
     ``predicted``: ``choose_mesh``'s numbers for this mesh, copied into the row."""
     step, state, batches, cfg, (state_bytes, params_bytes, layer_bytes), lengths = build(
         size, G, S, dtype=dtype, remat=remat, params_mode=params_mode, packed=packed,
-        opt_memory=opt_memory, mesh_sizes=mesh_sizes, scan_layers=scan_layers, rows=rows)
+        opt_memory=opt_memory, mesh_sizes=mesh_sizes, scan_layers=scan_layers, rows=rows,
+        kernel=kernel)
     B = batch_rows(mesh_sizes, rows)
     acc = (memory_account(step, state, next(iter(batches.values())), cfg, G, S, state_bytes,
                           params_bytes, opt_memory, layer_bytes) if account else None)
@@ -582,6 +584,9 @@ def main(argv=None):
                    help="appended to the JSON's name (one file per process, e.g. one mesh "
                         "each: a process's peak memory is its own)")
     add_compile_cache_args(p)  # --compile-cache DIR / --no-compile-cache
+    p.add_argument("--kernel", default="auto",
+                   help="the attention backend (jax_seqpar.attention's kernel=), e.g. cudnn "
+                        "or pallas_mgpu against auto's pick in another process")
     p.add_argument("--packed", type=int, default=None, metavar="MEDIAN_LEN",
                    help="also time a packed step: documents with log-normal lengths of this "
                         "median, segment ids and per-document positions, alternating with "
@@ -627,6 +632,7 @@ def main(argv=None):
     cfg["packed"] = args.packed
     cfg["scan_layers"] = args.scan_layers
     cfg["batch"] = args.batch
+    cfg["kernel"] = args.kernel
     path = os.path.join(out_dir(), f"train_mfu_{name}"
                         + (f"_packed{args.packed}" if args.packed else "")
                         + ("_scan" if args.scan_layers else "")
@@ -682,7 +688,8 @@ def main(argv=None):
                                           packed=args.packed, account=args.memory_account,
                                           profile=args.profile, opt_memory=args.opt_memory,
                                           mesh_sizes=sizes, scan_layers=args.scan_layers,
-                                          rows=args.batch, predicted=predicted))
+                                          rows=args.batch, predicted=predicted,
+                                          kernel=args.kernel))
         except Exception as e:  # e.g. out of memory: record and go on
             msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"{size} G={G} S={S} remat {remat} mesh {mesh}: FAILED {msg}", flush=True)
