@@ -275,6 +275,67 @@ def test_a_head_dim_entry_reorders_only_its_head_dim(monkeypatch):
         base.available_kernels())
 
 
+
+def test_gpu_orders_are_measured_and_consistent():
+    """Every entry of AUTO_ORDER_GPU is keyed (GPU key, tile kind, head dim) and reorders
+    its tile kind's GPU backends without adding or dropping any; the table says where its
+    numbers came from."""
+    assert base.AUTO_ORDER_GPU, "the table is empty: drop it or measure an entry"
+    for key, names in base.AUTO_ORDER_GPU.items():
+        gpu, tile, dim = key
+        assert gpu == base.gpu_key(gpu) and tile in base.TILE_KINDS, key
+        assert isinstance(dim, int) and dim > 0, key
+        assert sorted(names) == sorted(base.AUTO_ORDER[("gpu", tile)]), key
+    text = open(base.__file__).read()
+    assert "auto_order.py" in text and "auto on the H200" in text
+
+
+def test_a_gpu_entry_reorders_only_that_gpu(monkeypatch):
+    """``auto_candidates`` takes the GPU's entry on that GPU, whatever the rows, and the
+    usual orders on another GPU, on an unknown one and off GPUs."""
+    monkeypatch.setitem(base.AUTO_ORDER_GPU, ("fake_h9", TILE_ALIGNED, 96), ("xla", "cudnn"))
+    monkeypatch.setitem(base.AUTO_ORDER_SHORT_ROWS, ("gpu", TILE_ALIGNED, 96),
+                        (64, ("pallas", "cudnn", "xla")))
+    monkeypatch.setitem(base.AUTO_ORDER, ("gpu", TILE_ALIGNED), ("cudnn", "xla", "pallas"))
+    cand = base.auto_candidates
+    assert cand("gpu", TILE_ALIGNED, 96, None, "fake_h9")[:2] == ("xla", "cudnn")
+    assert cand("gpu", TILE_ALIGNED, 96, 64, "fake_h9")[:2] == ("xla", "cudnn")
+    assert cand("gpu", TILE_ALIGNED, 96, 64, "fake_h8")[:2] == ("pallas", "cudnn")
+    assert cand("gpu", TILE_ALIGNED, 96, 65, "fake_h8")[:2] == ("cudnn", "xla")
+    assert cand("gpu", TILE_ALIGNED, 96, None, None)[:2] == ("cudnn", "xla")
+    assert cand("gpu", TILE_DENSE, 96, None, "fake_h9")[0] != "xla"
+    assert cand("gpu", TILE_ALIGNED, 128, None, "fake_h9")[:2] == ("cudnn", "xla")
+    assert cand("cpu", TILE_ALIGNED, 96, None, "fake_h9") == cand("cpu", TILE_ALIGNED, 96)
+    assert sorted(cand("gpu", TILE_ALIGNED, 96, None, "fake_h9")) == sorted(
+        base.available_kernels())
+
+
+@pytest.mark.parametrize("gpu,want", [("fake_h9", "xla"), ("fake_h8", "cudnn"), (None, "cudnn")])
+def test_a_call_carries_its_gpu_to_auto(fake_gpu, monkeypatch, gpu, want):
+    """``make_config`` puts the GPU's kind (``base.default_gpu``) in the request, so an
+    ``AUTO_ORDER_GPU`` entry decides that GPU's aligned tiles (a stand-in entry here),
+    dense ones keep cuDNN, and another GPU keeps the usual order."""
+    monkeypatch.setattr(common, "default_gpu", lambda: gpu)
+    monkeypatch.setitem(base.AUTO_ORDER_GPU, ("fake_h9", TILE_ALIGNED, 16),
+                        ("xla", "cudnn", "tokamax", "pallas_mgpu", "pallas"))
+    q, k, _ = helpers.make_qkv(5, B=1, S=32, Hq=4, Hkv=2, D=16, dtype=BF16)
+    cfg = common.make_config(q, k, axis_name="sp", causal=True, window=None,
+                             segment_ids=None, scale=None, layout="contiguous",
+                             backward="kv", kernel="auto")
+    assert cfg.kernel.request.gpu == gpu
+    choices = cfg.kernel.choices
+    assert choices[TILE_ALIGNED] == want and choices[TILE_DENSE] == "cudnn", choices
+    assert cfg.kernel.short_rows == {}
+
+
+@pytest.mark.parametrize("bad", ["", "NVIDIA H200", 3])
+def test_request_validates_gpu(bad):
+    with pytest.raises(ValueError, match="gpu="):
+        _request(gpu=bad)
+    assert _request(gpu="nvidia_h200").gpu == "nvidia_h200"
+    assert base.gpu_key("NVIDIA H200") == "nvidia_h200"
+
+
 def test_ulysses_without_a_mask_is_a_dense_tile_in_any_layout(fake_gpu, monkeypatch):
     """Without a mask no position matters, so Ulysses' gathered sequence is a dense tile
     even in the striped layout (``parallel.common.tile_kind``), where ``auto`` tries cuDNN

@@ -41,13 +41,15 @@ A backend that cannot honour a request raises ``NotImplementedError`` saying why
 ``kernel="auto"`` picks, per tile kind (and head dim where one measured differently), the
 first backend of ``AUTO_ORDER`` (measured speeds) that accepts it, then the other
 registered backends by priority; ``AUTO_ORDER_SHORT_ROWS`` overrides that order for
-tiles of few rows and keys where those measured differently.
+tiles of few rows and keys where those measured differently, and ``AUTO_ORDER_GPU`` for
+one kind of GPU where that GPU measured differently (``KernelRequest.gpu``).
 ``TileKernels`` resolves one call's backend for each tile kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import jax
@@ -118,6 +120,36 @@ AUTO_ORDER_SHORT_ROWS: Dict[tuple, Tuple[int, Tuple[str, ...]]] = {
 }
 
 
+#: ``kernel="auto"`` on one kind of GPU: per (GPU key (``gpu_key``), tile kind, head dim),
+#: the order to try, ahead of ``AUTO_ORDER_SHORT_ROWS`` and ``AUTO_ORDER``.  The Hopper
+#: kernel's block sizes and backward are tuned per GPU (``mgpu_tuning``), so its speed
+#: against cuDNN is a property of the GPU.
+#:
+#: * H200, aligned tiles at D 128: with the table's fused backward (2026-12-02)
+#:   ``pallas_mgpu`` is level with or ahead of cuDNN on rows of every length.  Forward +
+#:   backward through ``jax_seqpar.attention`` on one device, bf16, causal, ratio to cuDNN,
+#:   wall clock (device clock), one H200, JAX 0.11.2, 2026-12-03 (``benchmarks/
+#:   auto_order.py``, RESULTS.md "auto on the H200"): Llama-3-8B's 32 / 8 heads at rows
+#:   of 8k 1.067x (1.062x), 16k 1.015x (1.028x), 32k 1.003x (1.018x); Llama-2-7B's 32 / 32
+#:   at 8k 1.054x (1.038x), 16k 1.004x (0.998x); the forward alone 0.97-1.10x.  A second
+#:   run after the change (``auto`` = ``pallas_mgpu``): 16k 1.030x (1.025x) and 1.011x
+#:   (1.008x), 32k 0.993x (1.013x).  One row of 16 heads (``kernels.py pair``, three
+#:   runs, 2026-12-02): 1.068x (1.028x) at 16k, 1.041x (1.013x) at 64k.  Dense tiles
+#:   keep cuDNN (0.95-1.00x).  The H100's table still runs the two-kernel backward
+#:   there, so its order stays ``AUTO_ORDER``'s.
+AUTO_ORDER_GPU: Dict[tuple, Tuple[str, ...]] = {
+    ("nvidia_h200", TILE_ALIGNED, 128): ("pallas_mgpu", "cudnn", "tokamax", "pallas", "xla"),
+}
+
+
+def gpu_key(device_kind: str) -> str:
+    """A device kind as a table key: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    key = re.sub(r"[^a-z0-9]+", "_", str(device_kind).lower()).strip("_")
+    if not key:
+        raise ValueError(f"device_kind={device_kind!r} gives an empty key")
+    return key
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelRequest:
     """What a caller needs from a local kernel; backends accept or refuse it."""
@@ -130,10 +162,15 @@ class KernelRequest:
     tile: str = TILE_GENERAL
     bwd_has_o: bool = True  # the backward will be given the forward output ``o``
     rows: Optional[int] = None  # the tile's longer side where known (``AUTO_ORDER_SHORT_ROWS``)
+    gpu: Optional[str] = None  # the GPU's kind as ``gpu_key`` gives it (``AUTO_ORDER_GPU``)
 
     def __post_init__(self):
         if self.tile not in TILE_KINDS:
             raise ValueError(f"tile={self.tile!r} must be one of {TILE_KINDS}")
+        if self.gpu is not None and (not isinstance(self.gpu, str) or not self.gpu
+                                     or self.gpu != gpu_key(self.gpu)):
+            raise ValueError(f"gpu={self.gpu!r} must be None or a key as gpu_key() gives "
+                             f"it (e.g. 'nvidia_h200')")
         if self.rows is not None and (isinstance(self.rows, bool)
                                       or not isinstance(self.rows, int) or self.rows < 1):
             raise ValueError(f"rows={self.rows!r} must be a positive int or None")
@@ -203,14 +240,18 @@ def short_rows_limit(platform: str, tile: str, head_dim: Optional[int]) -> Optio
 
 
 def auto_candidates(platform: str, tile: str, head_dim: Optional[int] = None,
-                    rows: Optional[int] = None) -> Tuple[str, ...]:
+                    rows: Optional[int] = None, gpu: Optional[str] = None) -> Tuple[str, ...]:
     """The order in which ``kernel="auto"`` tries backends for this platform, tile kind,
-    head dim and (where known) the tile's ``rows``, the longer of its query and key
-    sides: ``AUTO_ORDER_SHORT_ROWS``'s entry when the rows are at most its limit, else
+    head dim, (where known) the tile's ``rows``, the longer of its query and key sides,
+    and GPU kind: ``AUTO_ORDER_GPU``'s entry on a GPU it names, else
+    ``AUTO_ORDER_SHORT_ROWS``'s entry when the rows are at most its limit, else
     ``AUTO_ORDER``'s entry for the head dim if it has one, else the tile kind's; then
     every other registered backend by priority."""
     short = AUTO_ORDER_SHORT_ROWS.get((platform, tile, head_dim))
-    if short is not None and rows is not None and rows <= short[0]:
+    on_gpu = AUTO_ORDER_GPU.get((gpu, tile, head_dim)) if platform == "gpu" else None
+    if on_gpu is not None:
+        order = on_gpu
+    elif short is not None and rows is not None and rows <= short[0]:
         order = short[1]
     else:
         order = AUTO_ORDER.get((platform, tile, head_dim), AUTO_ORDER.get((platform, tile), ()))
@@ -225,7 +266,7 @@ def get_kernel(name: str, request: KernelRequest) -> AttentionKernel:
     if name == "auto":
         reasons = []
         for cand in auto_candidates(request.platform, request.tile, request.head_dim,
-                                    request.rows):
+                                    request.rows, request.gpu):
             entry = _REGISTRY[cand]
             if request.platform not in entry.platforms:
                 continue
@@ -250,3 +291,10 @@ def get_kernel(name: str, request: KernelRequest) -> AttentionKernel:
 
 def default_platform() -> str:
     return jax.default_backend()
+
+
+def default_gpu() -> Optional[str]:
+    """The first GPU's kind as a key (``gpu_key``), or None without a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    return gpu_key(jax.devices()[0].device_kind)

@@ -32,12 +32,12 @@ import dataclasses
 import functools
 import itertools
 import json
-import re
 import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from jax_seqpar.kernels.base import gpu_key  # noqa: F401  (the table's GPU keys)
 from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LIMIT,
                                                    MgpuConfig, backward_smem_bytes,
                                                    forward_smem_bytes)
@@ -48,14 +48,6 @@ BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "a
 MASKS = ("none", "causal", "segments")
 TILES = ("dense", "aligned", "general")
 TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")
-
-
-def gpu_key(device_kind: str) -> str:
-    """A device kind as a table key: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
-    key = re.sub(r"[^a-z0-9]+", "_", str(device_kind).lower()).strip("_")
-    if not key:
-        raise ValueError(f"device_kind={device_kind!r} gives an empty key")
-    return key
 
 
 def table_key(gpu: str, dtype: str, head_dim: int, tile: str, mask: str) -> str:

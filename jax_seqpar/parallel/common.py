@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, AttentionKernel,
-                                     KernelRequest, default_platform)
+                                     KernelRequest, default_gpu, default_platform)
 from jax_seqpar.kernels.tiles import TileKernels, tile_kernels
 from jax_seqpar.layouts import check_layout
 from jax_seqpar.masks import MaskSpec, WindowArg
@@ -73,7 +73,7 @@ def make_config(q, k, *, axis_name: AxisName, causal: bool, window: WindowArg,
                         f"kernel object with fwd, bwd and check methods (kernels/base.py)")
     request = KernelRequest(platform=default_platform(), dtype=str(jnp.dtype(q.dtype)),
                             head_dim=D, mask=mask, has_segments=segment_ids is not None,
-                            bwd_has_o=bwd_has_o)
+                            bwd_has_o=bwd_has_o, gpu=default_gpu())
     kernel = tile_kernels(kernel, request)
     return AttnConfig(axis_name=axis_name, mask=mask, scale=float(scale), kernel=kernel,
                       layout=layout, backward=backward, stripe=stripe)
