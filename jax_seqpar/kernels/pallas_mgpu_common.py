@@ -31,7 +31,8 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq")
+               "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
+               "prefetch_next", "early_exit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,14 @@ class MgpuConfig:
     the kernel ran 30-38% slower; a consumer holds dK and dV throughout (128 of its 240
     registers at D 128), and a product in flight across the softmax pins its
     accumulator's registers too (RESULTS.md).
+    ``prefetch_next`` (the per-item forward and the key-stationary backward kernels): as
+    a CTA starts, its producer moves into L2 (TMA prefetch) the blocks that the CTA one
+    SM count later in launch order loads first (forward: its query block and first key
+    block; backward: its K and V blocks and first Q and dO blocks), so that CTA's start
+    waits on L2 rather than HBM.  ``early_exit`` (the key-stationary backward kernels): a
+    CTA ends once its dK and dV blocks have been read out of shared memory, not once
+    their writes (and its last dQ reduce-adds) have landed, as CUTLASS's TMA-store
+    epilogues end; the next CTA on the SM starts that much sooner.
     """
 
     block_q: int = 64
@@ -201,6 +210,8 @@ class MgpuConfig:
     persistent: bool = False
     doc_order: bool = True
     early_dq: bool = True
+    prefetch_next: bool = False
+    early_exit: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:

@@ -134,16 +134,42 @@ def ds_ready_once_more(ds_ready, g, count) -> None:
         plgpu.barrier_wait(ds_ready.at[nxt])
 
 
-def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows) -> None:
+def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows,
+               read_only: bool = False) -> None:
     """A consumer's dK (times ``scale``) and dV in ``dtype`` through its K and V blocks to
-    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends."""
+    ``dk_ref[rows]`` and ``dv_ref[rows]``, written out before the CTA ends, or
+    (``read_only``: ``MgpuConfig.early_exit``) read out of shared memory, the writes
+    finishing after the CTA has ended (``cp.async.bulk.wait_group.read``, as CUTLASS's
+    TMA-store epilogues end)."""
     plgpu = _plgpu()
     kw[...] = (dk * scale).astype(dtype)
     vw[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(kw, dk_ref.at[rows])
     plgpu.copy_smem_to_gmem(vw, dv_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
+
+
+def prefetch_next_cta(tbl_ref, order_ref, refs, grid, bk: int, bq: int, g: int) -> None:
+    """(The producer, as its CTA starts: ``MgpuConfig.prefetch_next``.)  Move into L2
+    what the CTA ``sm_count()`` launch slots later loads first: its K and V blocks and
+    its first query block's Q and dO (first head of the group), so that its start waits
+    on L2 instead of HBM.  ``refs``: Q, K, V and dO in global memory; ``grid``: the
+    kernel's ``(Hkv, key blocks, B)``."""
+    import jax.experimental.pallas as pl
+    from jax_seqpar.kernels import pallas_mgpu_sched as sched
+    plgpu = _plgpu()
+    q_ref, k_ref, v_ref, do_ref = refs
+    (kvh, j, b), ok = sched.slot_ahead(grid, ("heads", "kv_seq", "batch"),
+                                       sched.sm_count())
+    blk = order_ref[b, j]
+    rows = pl.ds(blk * (2 * bk), 2 * bk)
+    plgpu.async_prefetch(k_ref.at[b, rows, kvh], predicate=ok)
+    plgpu.async_prefetch(v_ref.at[b, rows, kvh], predicate=ok)
+    first = ok & (tbl_ref[b, blk, 0] > 0)
+    q_rows = (b, pl.ds(tbl_ref[b, blk, 2] * bq, bq), kvh * g)
+    plgpu.async_prefetch(q_ref.at[q_rows], predicate=first)
+    plgpu.async_prefetch(do_ref.at[q_rows], predicate=first)
 
 
 def reduce_add_dq(dqw, dq, dst) -> None:
@@ -254,10 +280,13 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
                 if split:
                     ds_ready_once_more(free[2], g, count)
                 store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
-                           (b, pl.ds(row0, bk), kvh))
+                           (b, pl.ds(row0, bk), kvh), read_only=config.early_exit)
 
         @pl.when(wg == 2)
         def _producer():
+            if config.prefetch_next:
+                prefetch_next_cta(tbl_ref, order_ref, (refs[2], k_ref, v_ref, refs[5]),
+                                  (Hkv, Lk // (2 * bk), B), bk, bq, g)
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
                             stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
 
