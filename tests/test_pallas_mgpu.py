@@ -844,24 +844,12 @@ def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
     assert last_wait == {False: {"0"}, True: {"1"}}
 
 
-@pytest.mark.parametrize("grid", [(16, 5, 1), (3, 4, 2), (1, 7, 3)])
-def test_unravel_slot_is_the_launch_order(grid):
-    """``unravel_slot``: launch slot ``s`` of a grid launched first axis fastest is the
-    ``s``-th index tuple in that order; slots past the end stay on the last batch row
-    (``prefetch_next`` reads the lists there, and prefetches nothing)."""
-    n = int(np.prod(grid))
-    order = [tuple(int(i) for i in reversed(t))
-             for t in np.ndindex(*reversed(grid))]  # first axis fastest
-    got = [pallas_mgpu_sched.unravel_slot(s, grid) for s in range(n + 3)]
-    assert got[:n] == order
-    assert all(g[-1] == grid[-1] - 1 and 0 <= g[0] < grid[0] for g in got[n:])
-
-
-def test_prefetch_next_and_early_exit_lower(monkeypatch):
-    """``prefetch_next``: the forward's producer issues three L2 prefetches (Q, K, V of the
-    CTA an SM count later in launch order), the fused backward's four (K, V, Q, dO), none
-    without it; ``early_exit``: the backward's CTAs end waiting for the reads of their
-    dK/dV stores alone (``wait_group ... read``), not for the writes."""
+@pytest.mark.parametrize("kw", [dict(atomic_dq=True, split_dq=True, row_scores=True),
+                                dict(atomic_dq=False)])
+def test_early_exit_ends_on_the_reads(kw, monkeypatch):
+    """``early_exit`` (the default): the key-stationary backward's CTAs end waiting for
+    the reads of their dK/dV stores alone (``wait_group ... read``), not for the writes;
+    off, for the writes."""
     import jax.experimental.mosaic.gpu.core as mcore
     modules, serde = [], mcore._run_serde_pass
 
@@ -873,17 +861,12 @@ def test_prefetch_next_and_early_exit_lower(monkeypatch):
     q = SDS((1, T, 2, 128), BF16)
     pos, segs = [SDS((T,), jnp.int32)] * 2, [SDS((1, T), jnp.int32)] * 2
     lse, mask = SDS((1, 2, T), jnp.float32), MaskSpec(causal=True)
-    fused = dict(atomic_dq=True, split_dq=True, row_scores=True)
+    assert DEFAULT_MGPU_CONFIGS[128].early_exit and DEFAULT_MGPU_CONFIGS[64].early_exit
     for on in (False, True):
-        c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], prefetch_next=on, early_exit=on,
-                                **fused)
-        _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s, config=c),
-                 q, q, q, *pos, *segs)
+        c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], early_exit=on, **kw)
         _lowered(lambda q, k, v, o, l, do, a, b, *s: mgpu_bwd(
             q, k, v, o, l, do, a, b, mask, 0.1, *s, config=c), q, q, q, q, lse, q, *pos,
             *segs)
-        fwd, bwd = modules[-2:]
-        prefetch = "cp.async.bulk.prefetch.tensor"
-        assert (fwd.count(prefetch), bwd.count(prefetch)) == ((3, 4) if on else (0, 0))
-        last = re.findall(r"cp\.async\.bulk\.wait_group \d+( read)?", bwd)[-1]
+        dkdv = modules[-1] if kw["atomic_dq"] else modules[-2]  # (then the dQ kernel)
+        last = re.findall(r"cp\.async\.bulk\.wait_group \d+( read)?", dkdv)[-1]
         assert last == (" read" if on else "")

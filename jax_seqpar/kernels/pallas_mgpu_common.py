@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "prefetch_next", "early_exit")
+               "early_exit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +174,15 @@ class MgpuConfig:
     the kernel ran 30-38% slower; a consumer holds dK and dV throughout (128 of its 240
     registers at D 128), and a product in flight across the softmax pins its
     accumulator's registers too (RESULTS.md).
-    ``prefetch_next`` (the per-item forward and the key-stationary backward kernels): as
-    a CTA starts, its producer moves into L2 (TMA prefetch) the blocks that the CTA one
-    SM count later in launch order loads first (forward: its query block and first key
-    block; backward: its K and V blocks and first Q and dO blocks), so that CTA's start
-    waits on L2 rather than HBM.  ``early_exit`` (the key-stationary backward kernels): a
-    CTA ends once its dK and dV blocks have been read out of shared memory, not once
-    their writes (and its last dQ reduce-adds) have landed, as CUTLASS's TMA-store
-    epilogues end; the next CTA on the SM starts that much sooner.
+    ``early_exit`` (the key-stationary backward kernels): a CTA ends once its dK and dV
+    blocks have been read out of shared memory (``cp.async.bulk.wait_group.read``), not
+    once their writes and its last dQ reduce-adds have landed, as CUTLASS's TMA-store
+    epilogues end; the next CTA on the SM starts that much sooner.  On one H200
+    (2026-12-03, nine paired runs of the bar's script, packed documents at 64k) it read
+    77.7% of cuDNN's rate against 76.6% on the wall clock and 84.5 against 84.0% back to
+    back (medians), level on the device clock (82.8 against 82.9%).  Prefetching into L2
+    what the CTA one SM count later loads first read 3-3.5 points slower on the device
+    and wall clocks and was taken out (RESULTS.md).
     """
 
     block_q: int = 64
@@ -210,8 +211,7 @@ class MgpuConfig:
     persistent: bool = False
     doc_order: bool = True
     early_dq: bool = True
-    prefetch_next: bool = False
-    early_exit: bool = False
+    early_exit: bool = True
 
     def __post_init__(self):
         for name in BOOL_FIELDS:

@@ -464,20 +464,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 return nxt, consume(*item_at(item), w=w, base=base, nxt=nxt)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def prefetch_next_cta():
-            """``MgpuConfig.prefetch_next``: move into L2 what the CTA ``sm_count()``
-            launch slots later loads first, its query block and its first key block's K
-            and V, so that its start waits on L2 instead of HBM."""
-            (h2, j2, b2), ok = sched_mod.slot_ahead((Hq, nq, B), ("heads", "q_seq", "batch"),
-                                                    sched_mod.sm_count())
-            cta2, count2, _, block2 = schedule(tbl_ref, order_ref, b2, j2)
-            plgpu.async_prefetch(q_ref.at[b2, pl.ds(cta2 * (2 * bq), 2 * bq), h2],
-                                 predicate=ok)
-            has = ok & (count2 > 0)
-            keys = (b2, pl.ds(block2(0) * bk, bk), lax.div(h2, jnp.int32(g)))
-            plgpu.async_prefetch(k_ref.at[keys], predicate=has)
-            plgpu.async_prefetch(v_ref.at[keys], predicate=has)
-
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
@@ -492,8 +478,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
             @traced("produce")
             def produce():
                 if not persistent:
-                    if config.prefetch_next:
-                        prefetch_next_cta()
                     produce_item(b, h, current)
                     return
 

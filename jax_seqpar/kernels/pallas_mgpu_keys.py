@@ -150,28 +150,6 @@ def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows,
     plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
 
-def prefetch_next_cta(tbl_ref, order_ref, refs, grid, bk: int, bq: int, g: int) -> None:
-    """(The producer, as its CTA starts: ``MgpuConfig.prefetch_next``.)  Move into L2
-    what the CTA ``sm_count()`` launch slots later loads first: its K and V blocks and
-    its first query block's Q and dO (first head of the group), so that its start waits
-    on L2 instead of HBM.  ``refs``: Q, K, V and dO in global memory; ``grid``: the
-    kernel's ``(Hkv, key blocks, B)``."""
-    import jax.experimental.pallas as pl
-    from jax_seqpar.kernels import pallas_mgpu_sched as sched
-    plgpu = _plgpu()
-    q_ref, k_ref, v_ref, do_ref = refs
-    (kvh, j, b), ok = sched.slot_ahead(grid, ("heads", "kv_seq", "batch"),
-                                       sched.sm_count())
-    blk = order_ref[b, j]
-    rows = pl.ds(blk * (2 * bk), 2 * bk)
-    plgpu.async_prefetch(k_ref.at[b, rows, kvh], predicate=ok)
-    plgpu.async_prefetch(v_ref.at[b, rows, kvh], predicate=ok)
-    first = ok & (tbl_ref[b, blk, 0] > 0)
-    q_rows = (b, pl.ds(tbl_ref[b, blk, 2] * bq, bq), kvh * g)
-    plgpu.async_prefetch(q_ref.at[q_rows], predicate=first)
-    plgpu.async_prefetch(do_ref.at[q_rows], predicate=first)
-
-
 def reduce_add_dq(dqw, dq, dst) -> None:
     """A consumer's float32 dQ block (or half-block) ``dq`` added into global ``dst`` with
     a TMA reduce-add through its shared-memory block ``dqw``, once the previous step's
@@ -284,9 +262,6 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
 
         @pl.when(wg == 2)
         def _producer():
-            if config.prefetch_next:
-                prefetch_next_cta(tbl_ref, order_ref, (refs[2], k_ref, v_ref, refs[5]),
-                                  (Hkv, Lk // (2 * bk), B), bk, bq, g)
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
                             stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
 

@@ -55,36 +55,6 @@ def item_index(item, nq: int, Hq: int, div=lambda a, b: a // b, rem=lambda a, b:
     return div(item, nq * Hq), rem(div(item, Hq), nq), rem(item, Hq)
 
 
-def unravel_slot(slot, grid, div=lambda a, b: a // b, rem=lambda a, b: a % b,
-                 minimum=min):
-    """The indices of launch slot ``slot`` in a grid of sizes ``grid``, its first axis
-    fastest (the order ``item_index`` describes); a slot past the grid's end gets the
-    last index on the last axis.  ``div``, ``rem``, ``minimum``: integer ops (``lax``'s
-    in a kernel)."""
-    idx = []
-    for n in grid[:-1]:
-        idx.append(rem(slot, n))
-        slot = div(slot, n)
-    return (*idx, minimum(slot, grid[-1] - 1))
-
-
-def slot_ahead(grid, names, ahead: int):
-    """``(indices, exists)``: the grid indices (along ``names``) of the CTA launched
-    ``ahead`` slots after the calling one, and whether the grid has that slot.  With
-    ``ahead`` the number of SMs, that CTA starts when about one CTA per SM has finished:
-    what ``MgpuConfig.prefetch_next`` moves into L2 ahead of it."""
-    from jax import lax
-    slot, stride = jnp.int32(0), 1
-    for n, name in zip(grid, names):
-        slot = slot + lax.axis_index(name) * jnp.int32(stride)
-        stride *= n
-    nxt = slot + jnp.int32(ahead)
-    idx = unravel_slot(nxt, grid, lambda a, b: lax.div(a, jnp.int32(b)),
-                       lambda a, b: lax.rem(a, jnp.int32(b)),
-                       lambda a, b: jnp.minimum(a, jnp.int32(b)))
-    return idx, nxt < jnp.int32(stride)
-
-
 def ticket_slot(w):
     """The ring slot of the ticket taken during a CTA's ``w``-th item (its ``w + 1``-th)."""
     return jax.lax.rem(w, jnp.int32(TICKET_SLOTS))
