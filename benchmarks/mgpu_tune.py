@@ -152,7 +152,8 @@ def tune_class(D, mask_kind, S, H, rounds, reps, log, phases=("fwd", "bwd"), win
     out = {}
     for phase, cands, build, fields in (
             ("fwd", mt.forward_candidates(D), build_fwd, mt.FWD_FIELDS),
-            ("bwd", mt.backward_candidates(D), build_bwd, mt.BWD_FIELDS)):
+            ("bwd", mt.backward_candidates(D, segments=mask_kind == "segments"), build_bwd,
+             mt.BWD_FIELDS)):
         if phase not in phases:
             continue
         key_default = mt.fields_of(default, fields)

@@ -125,6 +125,13 @@ def test_fused_backward_is_a_candidate_from_d128(D):
     assert src == key and cfg.row_scores and cfg.early_dq and not cfg.dv_with_dp
     causal, _ = mt.lookup(GPU, "bfloat16", 128, "aligned", "causal", table)
     assert not causal.row_scores  # other classes keep their own
+    # with segment ids, each fused candidate also launched document by document
+    seg = mt.backward_candidates(D, segments=True)
+    assert seg[:len(mt.backward_candidates(D))] == mt.backward_candidates(D)
+    assert [c for c in seg if c.doc_order_bwd] == [
+        dataclasses.replace(c, doc_order_bwd=True) for c in fused]
+    assert not any(c.doc_order_bwd for c in mt.backward_candidates(D))
+    assert "doc_order_bwd" in mt.BWD_FIELDS
 
 
 def test_sustained_timer_reads_calls_per_window_in_alternation():

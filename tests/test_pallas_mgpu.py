@@ -154,12 +154,36 @@ def test_launch_order_puts_the_longest_rows_first():
     np.testing.assert_array_equal(order[1], np.arange(5))
 
 
-def _packed_lists(lens, T, rows=128, classes=False):
+def _packed_lists(lens, T, rows=128, classes=False, transpose=False):
     ids = np.repeat(np.arange(len(lens)), lens).astype(np.int32)[None]
     pos = jnp.arange(T, dtype=jnp.int32)
     seg = jnp.asarray(ids)
     return ids, np.asarray(tile_lists(MaskSpec(causal=True), pos[None], pos, T, rows, rows,
-                                      True, q_seg=seg, kv_seg=seg, classes=classes))
+                                      True, transpose=transpose, q_seg=seg, kv_seg=seg,
+                                      classes=classes))
+
+
+@pytest.mark.parametrize("classes", [False, True])
+def test_doc_launch_order_of_key_blocks(classes):
+    """``doc_cta_order(last=True)`` (``MgpuConfig.doc_order_bwd``) on transposed lists: a
+    permutation of the key blocks in which each document's blocks are contiguous (a
+    block that straddles two documents goes with the later one, whose queries it sees
+    to their end), the documents longest first, each one's blocks most tiles first."""
+    from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
+    lens = [640, 1536, 300, 1492, 1536, 1664]
+    T = sum(lens)
+    ids, tbl = _packed_lists(lens, T, classes=classes, transpose=True)
+    order = np.asarray(doc_cta_order(jnp.asarray(tbl), last=True))[0]
+    assert sorted(order) == list(range(T // 128))
+    doc = ids[0, order * 128 + 127]  # the document of each launched block's last key
+    changes = np.flatnonzero(np.diff(doc)) + 1
+    runs = np.split(doc, changes)
+    assert len({r[0] for r in runs}) == len(runs)  # each document in one run
+    assert [r[0] for r in runs][:1] == [5]  # the longest first
+    for chunk in np.split(tbl[0, order, 0], changes):
+        assert (np.diff(chunk) <= 0).all()
+    mixed = ids[0, np.asarray(cta_order(jnp.asarray(tbl)))[0] * 128 + 127]
+    assert (np.diff(mixed) != 0).sum() > len(runs)  # most tiles first interleaves them
 
 
 @pytest.mark.parametrize("classes", [False, True])
@@ -213,7 +237,8 @@ def test_forward_and_dq_launch_documents_together(doc_order, monkeypatch):
     for mod in (pallas_mgpu_fwd, pallas_mgpu_bwd):
         real = mod.doc_cta_order
         monkeypatch.setattr(mod, "doc_cta_order",
-                            lambda tbl, _r=real, _m=mod.__name__: calls.append(_m) or _r(tbl))
+                            lambda tbl, _r=real, _m=mod.__name__, **kw:
+                            calls.append(_m) or _r(tbl, **kw))
     cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], doc_order=doc_order)
     T, mask = 512, MaskSpec(causal=True)
     q, kv = SDS((1, T, 2, 128), BF16), SDS((1, T, 2, 128), BF16)
@@ -228,6 +253,14 @@ def test_forward_and_dq_launch_documents_together(doc_order, monkeypatch):
             q, kv, kv, q, SDS((1, 2, T), jnp.float32), q, *pos, *segs)
         want = ["jax_seqpar.kernels.pallas_mgpu_fwd", "jax_seqpar.kernels.pallas_mgpu_bwd"]
         assert calls == (want if segs and doc_order else [])
+    # doc_order_bwd: the key-stationary kernel's launch order too
+    cfg = dataclasses.replace(cfg, doc_order_bwd=True)
+    calls.clear()
+    _lowered(lambda q, k, v, o, lse, do, a, b, *s: mgpu_bwd(
+        q, k, v, o, lse, do, a, b, mask, 0.1, *s, config=cfg),
+        q, kv, kv, q, SDS((1, 2, T), jnp.float32), q, *pos, SDS((1, T), jnp.int32),
+        SDS((1, T), jnp.int32))
+    assert calls == ["jax_seqpar.kernels.pallas_mgpu_bwd"] * (2 if doc_order else 1)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -44,7 +44,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
 
 FWD_FIELDS = ("block_q", "block_kv", "num_stages", "overlap_fwd")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
-              "split_dq", "overlap_bwd", "dv_with_dp", "row_scores")
+              "split_dq", "overlap_bwd", "dv_with_dp", "row_scores", "doc_order_bwd")
 MASKS = ("none", "causal", "segments")
 TILES = ("dense", "aligned", "general")
 TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")
@@ -135,7 +135,8 @@ def forward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfi
     return out
 
 
-def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConfig]:
+def backward_candidates(head_dim: int, dtype: str = "bfloat16",
+                        segments: bool = False) -> List[MgpuConfig]:
     """Backward tiles to try: 64 or 128 keys per consumer and queries per stage, 2 or 3
     stages, for the two kernels with FA3's in-warpgroup overlap, its dK/dV step order
     and 128-key dQ stages (all measured better before: ``DEFAULT_MGPU_CONFIGS``'s
@@ -143,7 +144,9 @@ def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConf
     that fit shared memory.  From D 128 also the fused kernel with scores by query row
     (``row_scores``), with and without ``dv_with_dp``, on the one tiling it was measured
     with (64 queries and 64 keys per consumer, 2 stages: with 128 keys a consumer's dK and
-    dV alone would take 256 registers a thread)."""
+    dV alone would take 256 registers a thread).  ``segments`` (a class with segment
+    ids): the fused kernels also with their CTAs launched document by document
+    (``doc_order_bwd``, which changes nothing without ids)."""
     base = DEFAULT_MGPU_CONFIGS[head_dim]
     variants = [dict(atomic_dq=False, split_dq=False, overlap_bwd=True, dv_with_dp=True,
                      block_kv_dq=128),
@@ -162,6 +165,8 @@ def backward_candidates(head_dim: int, dtype: str = "bfloat16") -> List[MgpuConf
                 base, block_q_bwd=64, block_kv_bwd=64, num_stages_bwd=2, block_kv_dq=128,
                 atomic_dq=True, split_dq=True, row_scores=True, overlap_bwd=False,
                 dv_with_dp=dv_with_dp))
+    if segments:
+        out += [dataclasses.replace(c, doc_order_bwd=True) for c in out if c.row_scores]
     return out
 
 

@@ -510,9 +510,11 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         classes_dkdv = bool(seg_kw) and config.mask_classes
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
                        classes=classes_dkdv, **seg_kw)
+    order_t = (doc_cta_order(tbl_t, last=True) if config.doc_order_bwd and has_seg
+               else cta_order(tbl_t))
     if config.atomic_dq:
         dq_acc = jax.new_ref(zeroed_dq((B, Lq, Hq, D), dl))
-        args = (tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
+        args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
                                 config=config, classes=classes_dkdv)
@@ -521,7 +523,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
                                 config=config, dq_acc=dq_acc)
         dq = dq_acc[...][:, :Tq] * scale
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
-    dk, dv = _dkdv_call(tbl_t, cta_order(tbl_t), qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
+    dk, dv = _dkdv_call(tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
                         *segs, mask=mask, scale=scale, masked=pos_masked, config=config,
                         classes=classes_dkdv)
     tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, classes=classes,

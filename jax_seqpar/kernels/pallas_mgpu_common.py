@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit")
+               "early_exit", "doc_order_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,17 @@ class MgpuConfig:
     back (medians), level on the device clock (82.8 against 82.9%).  Prefetching into L2
     what the CTA one SM count later loads first read 3-3.5 points slower on the device
     and wall clocks and was taken out (RESULTS.md).
+    ``doc_order_bwd`` (the key-stationary backward kernels, with segment ids): their
+    CTAs launch document by document (``doc_cta_order(last=True)``: a key block's
+    document is the last query block it sees) instead of most tiles first across all
+    documents, so that the CTAs running at once add their dQ into one document's rows,
+    which stay in L2, rather than into many documents' (the fused kernel's float32 dQ
+    of a 4k document, 16 heads of 128, is 32 MiB).  On one H200 (2026-12-03, the fused
+    kernel, packed documents at 64k, three paired runs) +0.9 to +1.5 points of cuDNN's
+    rate on the device clock and +0.6 to +0.9 back to back (on single calls timed on
+    the wall clock -0.2 to -2.3, inside that clock's spread); the H200's D 128 segments
+    entry takes it.  The two-kernel dK/dV kernel, grouped by document from the segment
+    ids, read 0.5-2.5% slower on 2026-11-28; it was not measured with this order.
     """
 
     block_q: int = 64
@@ -212,6 +223,7 @@ class MgpuConfig:
     doc_order: bool = True
     early_dq: bool = True
     early_exit: bool = True
+    doc_order_bwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -434,19 +446,25 @@ def cta_order(tbl):
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
 
 
-def doc_cta_order(tbl):
+def doc_cta_order(tbl, last: bool = False):
     """(``MgpuConfig.doc_order``) A launch order of query blocks that keeps each
     document's blocks together, from the tile lists alone: a block's document is the
     first key block it sees (its smallest list entry; a packed document's query blocks
     share it), documents go longest first (the most tiles any of their blocks has) and
     each document's blocks most tiles first; ``[B, n]``.  Without documents (one causal
     row) that is ``cta_order``'s order.  Only the order of the CTAs changes, never what
-    they compute."""
+    they compute.  ``last`` (``MgpuConfig.doc_order_bwd``, transposed lists, rows of key
+    blocks): a row's document is the last query block it sees (its largest entry),
+    which a causal document's key blocks share."""
     import jax
     B, n, width = tbl.shape
     count = tbl[..., 0]
     live = jnp.arange(width - 2)[None, None, :] < count[..., None]
-    first = jnp.where(live, tbl[..., 2:], jnp.iinfo(jnp.int32).max).min(-1)  # [B, n]
+    if last:  # as a smallest entry: the order below is the same code
+        entries = width - 1 - tbl[..., 2:]
+    else:
+        entries = tbl[..., 2:]
+    first = jnp.where(live, entries, jnp.iinfo(jnp.int32).max).min(-1)  # [B, n]
     # (entries are key blocks below ``width``; an empty row is a document of its own)
     first = jnp.where(count > 0, first, width + jnp.arange(n)[None, :])
     longest = jax.vmap(lambda f, c: jnp.zeros((width + n,), c.dtype).at[f].max(c)[f])(
