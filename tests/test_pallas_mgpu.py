@@ -336,6 +336,19 @@ def _lowered(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _mosaic_modules(monkeypatch):
+    """A list that collects the text of every Mosaic GPU module lowered from now on (the
+    kernel's own MLIR, before it is serialised into the custom call)."""
+    import jax.experimental.mosaic.gpu.core as mcore
+    modules, serde = [], mcore._run_serde_pass
+
+    def spy(module, *a, **k):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, *a, **k)
+    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
+    return modules
+
+
 @pytest.mark.parametrize("D,Tq,Tk,causal,window,seg", [
     (128, 512, 512, False, None, False),
     (64, 300, 200, True, None, False),     # ragged, GQA
@@ -810,13 +823,7 @@ def test_persistent_forward_lowers(T, seg, tile, monkeypatch):
     general tiles, dense tiles; the Mosaic GPU module takes its tickets with one
     fetch-and-add (``pallas_mgpu_sched.take_ticket``); a tiling without room for two
     query blocks a consumer is refused, naming the shared memory."""
-    import jax.experimental.mosaic.gpu.core as mcore
-    modules, serde = [], mcore._run_serde_pass
-
-    def spy(module, *a, **k):
-        modules.append(module.operation.get_asm(enable_debug_info=False))
-        return serde(module, *a, **k)
-    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
+    modules = _mosaic_modules(monkeypatch)
     cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True, warp_producer=False)
     mask = MaskSpec() if tile == TILE_DENSE else MaskSpec(causal=True)
     q, kv = SDS((2, T, 4, 128), BF16), SDS((2, T, 2, 128), BF16)
@@ -846,13 +853,7 @@ def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
     """``early_dq``: the fused kernel issues its dQ half before dK and waits for the dQ
     products alone (``wgmma.wait_group 1``: dK still in flight) before each step's TMA
     reduce-add; without it the step waits for both products (``wait_group 0``)."""
-    import jax.experimental.mosaic.gpu.core as mcore
-    modules, serde = [], mcore._run_serde_pass
-
-    def spy(module, *a, **k):
-        modules.append(module.operation.get_asm(enable_debug_info=False))
-        return serde(module, *a, **k)
-    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
+    modules = _mosaic_modules(monkeypatch)
     T = 512
     q, kv = SDS((1, T, 2, 128), BF16), SDS((1, T, 2, 128), BF16)
     pos = [SDS((T,), jnp.int32)] * 2
@@ -883,13 +884,7 @@ def test_early_exit_ends_on_the_reads(kw, monkeypatch):
     """``early_exit`` (the default): the key-stationary backward's CTAs end waiting for
     the reads of their dK/dV stores alone (``wait_group ... read``), not for the writes;
     off, for the writes."""
-    import jax.experimental.mosaic.gpu.core as mcore
-    modules, serde = [], mcore._run_serde_pass
-
-    def spy(module, *a, **k):
-        modules.append(module.operation.get_asm(enable_debug_info=False))
-        return serde(module, *a, **k)
-    monkeypatch.setattr(mcore, "_run_serde_pass", spy)
+    modules = _mosaic_modules(monkeypatch)
     T = 512
     q = SDS((1, T, 2, 128), BF16)
     pos, segs = [SDS((T,), jnp.int32)] * 2, [SDS((1, T), jnp.int32)] * 2
