@@ -18,7 +18,8 @@ With the given -- possibly *global*, as in ring attention -- ``lse`` and
   queries, query head, batch row), two consumers, a producer streaming K and V blocks of
   the tile list -- recomputing ``P`` and ``dP`` and accumulating ``dQ += dS K``.  Both
   kernels launch their CTAs most tiles first; with segment ids the dQ kernel's go
-  document by document, as the forward's (``MgpuConfig.doc_order``).
+  document by document, as the forward's (``MgpuConfig.doc_order``), and the dK/dV
+  (or fused) kernel's with ``MgpuConfig.doc_order_bwd``.
 * With ``MgpuConfig.atomic_dq`` there is no dQ kernel: each consumer of the dK/dV kernel
   stages its ``dS^T`` block in shared memory, multiplies ``dS K`` and adds the float32
   product into a zeroed dQ in global memory with a TMA reduce-add, as FlashAttention-3's
