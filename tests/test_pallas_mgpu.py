@@ -896,5 +896,6 @@ def test_early_exit_ends_on_the_reads(kw, monkeypatch):
             q, k, v, o, l, do, a, b, mask, 0.1, *s, config=c), q, q, q, q, lse, q, *pos,
             *segs)
         dkdv = modules[-1] if kw["atomic_dq"] else modules[-2]  # (then the dQ kernel)
-        last = re.findall(r"cp\.async\.bulk\.wait_group \d+( read)?", dkdv)[-1]
-        assert last == (" read" if on else "")
+        # (" read" in the module's text; " {read}" with JAX 0.10's MLIR)
+        last = re.findall(r"cp\.async\.bulk\.wait_group \d+( \{?read\}?)?", dkdv)[-1]
+        assert bool(last) == on
