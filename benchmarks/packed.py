@@ -36,7 +36,10 @@ failures, and each starts only while the time budget allows):
   FLOPs,
   ``3.5 * 2 * H * D * sum(L^2)`` (FlashAttention's convention: half of ``4 H D L^2``
   forward, the backward 2.5x); the unpacked calls are counted on their own causal FLOPs.
-  ``useful / cuDNN`` is the issue's bar (>= 70% at 64k, >= 60% at 16k).
+  ``useful / cuDNN`` is the issue's bar (>= 70% at 64k, >= 60% at 16k).  With
+  ``--mgpu-variant`` each variant's gradients are first compared with ``packed auto``'s
+  on the same inputs, three calls each (``variant_agreement``, ``vs_packed_auto`` in
+  the JSON; ``packed auto`` against itself gives the floor of its dQ's summation order).
 * ``train``: one AdamW step of the 1B Llama shape at 64k tokens on one GPU, packed
   (documents around 4k) against unpacked (the issue's bar: packed faster, by a factor).
 * ``bench_large``: the timing at 128k (last: "if time allows"), after a check of the
@@ -410,6 +413,8 @@ def run_bench(args, on_gpu, sizes):
                 except Exception as e:
                     print(f"bench S={S} {name}: FAILED {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}", flush=True)
+            agree = (variant_agreement(ok, (q, k, v, do, seg), S, mean)
+                     if args.mgpu_variant else {})
             names = list(ok)
             ts = {n: [] for n in names}
             rounds = args.rounds if S < 131072 else max(3, args.rounds - 2)
@@ -439,6 +444,8 @@ def run_bench(args, on_gpu, sizes):
                     if base in sus:  # the bar in the steady state of each call
                         row["useful_vs_cudnn_sustained"] = ((useful / sus[n]["ms"])
                                                             / (full / sus[base]["ms"]))
+                if n in agree:
+                    row["vs_packed_auto"] = agree[n]
                 if n in dev:
                     row["device_ms"] = dev[n]
                     if base in dev:  # the same ratio on the device's own time
@@ -459,6 +466,32 @@ def run_bench(args, on_gpu, sizes):
                          if "useful_vs_cudnn_device" in row else ""), flush=True)
         del q, k, v, do
     return rows
+
+
+def variant_agreement(ok, args, S, mean, calls: int = 3):
+    """Each ``--mgpu-variant`` call's gradients against ``packed auto``'s on the bench's
+    own inputs, ``calls`` times (a race in a variant shows in some calls and not others),
+    with ``packed auto`` against itself as the floor (its dQ sums in a different order
+    each call): ``{name: {"rel": worst relative norm error, "max": worst max-abs error
+    over the reference's max-abs}}``, over the three gradients."""
+    if "packed auto" not in ok:
+        return {}
+    ref = [np.asarray(g, np.float32) for g in ok["packed auto"](*args)]
+    out = {}
+    for name in ok:
+        if not name.startswith("packed ") or name == "packed pallas":
+            continue
+        rel = mx = 0.0
+        for _ in range(calls):
+            got = ok[name](*args)
+            for g, r in zip(got, ref):
+                g = np.asarray(g, np.float32)
+                rel = max(rel, _rel(g, r))
+                mx = max(mx, float(np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)))
+        out[name] = {"rel": rel, "max": mx}
+        print(f"  agreement S={S} docs~{mean} {name:22s} vs packed auto ({calls} calls): "
+              f"rel {rel:.2e}  max {mx:.2e}", flush=True)
+    return out
 
 
 def per_document_grads(q, k, v, do, seg):

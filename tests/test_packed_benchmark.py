@@ -34,6 +34,31 @@ def test_check_cases_read_one_global_segment_array():
     assert q_pos.min() > k_pos.max()  # every key precedes every query: a ring step
 
 
+def test_variant_agreement_finds_a_race_that_shows_in_one_call():
+    """``variant_agreement`` compares every call of each variant with ``packed auto``'s
+    gradients: a variant wrong in one call of three is caught, a correct one reads its
+    floor, and the Triton call is left out."""
+    rng = np.random.default_rng(0)
+    ref = [rng.standard_normal((1, 64, 2, 8)).astype(np.float32) for _ in range(3)]
+    calls = {"n": 0}
+
+    def racy(*_):
+        calls["n"] += 1
+        if calls["n"] == 2:  # one block of dQ loses a contribution in the 2nd call
+            bad = [g.copy() for g in ref]
+            bad[0][:, :16] *= 0.5
+            return bad
+        return ref
+    ok = {"packed auto": lambda *_: ref, "packed pallas": lambda *_: 1 / 0,
+          "packed good": lambda *_: [g * (1 + 1e-6) for g in ref], "packed racy": racy}
+    got = packed.variant_agreement(ok, (), S=64, mean=16)
+    assert set(got) == {"packed auto", "packed good", "packed racy"} and calls["n"] == 3
+    assert got["packed auto"] == {"rel": 0.0, "max": 0.0}
+    assert got["packed good"]["rel"] < 1e-5 and got["packed good"]["max"] < 1e-5
+    assert got["packed racy"]["rel"] > 0.1 and got["packed racy"]["max"] > 0.1
+    assert packed.variant_agreement({"packed good": ok["packed good"]}, (), 64, 16) == {}
+
+
 def test_layout_phase_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     assert packed.main(["--dry-run", "--phases", "layout"]) == 0
