@@ -69,7 +69,6 @@ from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
-from jax_seqpar.kernels import pallas_mgpu_dqfirst as dqfirst
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -517,17 +516,9 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
                        classes=classes_dkdv, **seg_kw)
     order_t = (doc_cta_order(tbl_t, last=True) if config.doc_order_bwd and has_seg
                else cta_order(tbl_t))
-    args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
-    if config.dq_first_store:  # no zeroed dQ: the first CTA at a block stores it
-        nqb = Lq // bq
-        ctr = dqfirst.counters(B, nqb, Hq)
-        dk, dv, dq = fused_call(*args, ctr, mask=mask, scale=scale, masked=pos_masked,
-                                config=config, classes=classes_dkdv)
-        hit = jnp.repeat(dqfirst.reached(ctr[...], B, nqb, Hq), bq, axis=1)
-        dq = jnp.where(hit[:, :Tq, :, None], dq[:, :Tq], 0.0) * scale
-        return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     if config.atomic_dq:
         dq_acc = jax.new_ref(zeroed_dq((B, Lq, Hq, D), dl))
+        args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
                                 config=config, classes=classes_dkdv)

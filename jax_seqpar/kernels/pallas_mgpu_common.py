@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "dq_first_store")
+               "early_exit", "doc_order_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,10 +194,6 @@ class MgpuConfig:
     the wall clock -0.2 to -2.3, inside that clock's spread); the H200's D 128 segments
     entry takes it.  The two-kernel dK/dV kernel, grouped by document from the segment
     ids, read 0.5-2.5% slower on 2026-11-28; it was not measured with this order.
-    ``dq_first_store`` (the fused backward, ``row_scores``): no zeroed float32 dQ; the
-    first CTA to reach a query block stores its dQ there, and the others add theirs once
-    that store has landed (tickets and counters in global memory:
-    ``pallas_mgpu_dqfirst``).
     """
 
     block_q: int = 64
@@ -228,7 +224,6 @@ class MgpuConfig:
     early_dq: bool = True
     early_exit: bool = True
     doc_order_bwd: bool = False
-    dq_first_store: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -247,9 +242,6 @@ class MgpuConfig:
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")
-        if self.dq_first_store and not self.row_scores:
-            raise ValueError("MgpuConfig.dq_first_store=True is a mode of the fused "
-                             "backward: set row_scores=True (with atomic_dq and split_dq)")
         for f in dataclasses.fields(self):
             if f.name in BOOL_FIELDS:
                 continue

@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels import pallas_mgpu_dqfirst as dqfirst
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    step_index, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
@@ -58,17 +57,11 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
-    ``classes``.  With ``config.dq_first_store`` ``dq_acc`` is the Ref of
-    ``pallas_mgpu_dqfirst.counters`` and this returns ``(dk, dv, dq)``: dQ before its
-    scale, float32, unwritten in the query blocks that no CTA reached."""
+    ``classes``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
     has_seg = q_seg is not None
-    first_store = config.dq_first_store
-    B, Lq, Hq = q.shape[:3]
-    nqb = Lq // bq
-    offset = dqfirst.stored_offset(B, nqb, Hq)
     half = D // 2
     c = scale * LOG2E
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
@@ -76,10 +69,10 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
     def make_step(refs, scoped, cta, row0, kw):
         (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
-         qseg_ref, kvseg_ref, dq_ref, _, _) = refs[:15]
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem,
-         *first), (kv_ready, q_ready, do_ready, lse_ready, dl_ready), \
-            (q_free, do_free, ds_ready) = scoped
+         qseg_ref, kvseg_ref, dq_ref, _, _) = refs
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
+            = scoped
         b, kvh, blk, wg, count, n_full = cta
         if masked:
             kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
@@ -171,24 +164,11 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             with jax.named_scope("meet"):
                 plgpu.barrier_arrive(ds_ready.at[par])
                 plgpu.barrier_wait(ds_ready.at[par])
-                if first_store:  # the last step's first store, landed by now
-                    dqfirst.release(refs[15], offset, first[2], wg)
             cols = pl.ds(pl.multiple_of(wg * half, half), half)
             zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
 
             def dq_dst():
                 return dq_ref.at[b, pl.ds(start, bq), kvh * g + hh].at[:, cols]
-
-            def write_dq(dq):
-                """The half-block added into dQ, or (``dq_first_store``) stored first."""
-                if not first_store:
-                    reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
-                    return
-                words, word_ready, pending = first
-                idx = dqfirst.flat_index(b, tbl_ref[b, blk, t + 2], kvh * g + hh, nqb, Hq)
-                dqfirst.write(dq_smem.at[wg], dq, dq_dst,
-                              dqfirst.is_first(words, word_ready, slot), refs[15], idx,
-                              offset, pending, wg)
 
             def dk_product(dk_ref_):
                 plgpu.wgmma(dk_ref_, ds_smem.at[par, wg].transpose((1, 0)),
@@ -206,7 +186,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                     dk_product(dk_ref_)
                     dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=1)  # dK runs on
                     with jax.named_scope("red"):
-                        write_dq(dq)
+                        reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
                 with jax.named_scope("back"):
                     dk, _ = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                     plgpu.barrier_arrive(q_free.at[slot])
@@ -220,7 +200,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 dk, dq = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                 plgpu.barrier_arrive(q_free.at[slot])
             with jax.named_scope("red"):
-                write_dq(dq)
+                reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
             return dk, dv
 
         return step
@@ -230,24 +210,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     extra = (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
              plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
              plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
-    hooks = None
-    if first_store:
-        extra += dqfirst.scratch(stages)
-
-        def hooks(refs, scoped, cta):
-            words, word_ready, pending = scoped[0][-3:]
-            ctr_ref, b = refs[15], cta[0]
-
-            def on_slot(j, slot, qh, start):
-                idx = dqfirst.flat_index(b, lax.div(start, jnp.int32(bq)), qh, nqb, Hq)
-                dqfirst.take_ticket(ctr_ref, idx, words, word_ready, slot,
-                                    config.warp_producer_bwd)
-
-            def at_start(wg):
-                pending[wg] = jnp.int32(-1)
-            return (on_slot, at_start,
-                    lambda wg: dqfirst.release(ctr_ref, offset, pending, wg))
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
         dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
-        extra_smem=extra, dq_out=(B, Lq, Hq, D) if first_store else None, hooks=hooks)
+        extra_smem=extra)

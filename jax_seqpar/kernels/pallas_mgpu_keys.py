@@ -18,16 +18,14 @@ from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    row_loops, traced)
 
 
-def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
-                   on_slot=None):
+def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
     """The producer of a key-stationary backward kernel (dK/dV, the fused one): for each
     of the ``g`` query heads of the GQA group and each of the CTA's ``count`` query
     blocks (the t-th is entry ``t`` of tile-list row ``blk``), the blocks of Q and dO and
     the rows of lse and delta into a ring of ``stages`` slots, each slot's Q (with lse and
     delta) and dO refilled once the consumers have freed it.  ``refs``, ``smem`` and
     ``ready``: (Q, dO, lse, delta) in global memory, their rings and "landed" barriers;
-    ``free``: the (Q, dO) slots' "read" barriers.  ``on_slot(j, slot, qh, start)``, if
-    given, runs once a slot's loads are issued (``pallas_mgpu_dqfirst``'s tickets)."""
+    ``free``: the (Q, dO) slots' "read" barriers."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
@@ -58,8 +56,6 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
         def _():
             plgpu.barrier_wait(do_free.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-        if on_slot is not None:
-            on_slot(j, slot, qh, start)
 
 
 def kv_shapes(q, k, config: MgpuConfig, split: str | None = None):
@@ -166,51 +162,17 @@ def reduce_add_dq(dqw, dq, dst) -> None:
 
 
 def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs,
-                    scoped, on_slot=None) -> None:
+                    scoped) -> None:
     """The producer warpgroup: registers given back, then ``produce_q_ring`` from one warp
     or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in global
     memory; ``scoped``: the kernel's ``(smem, ready, free)`` as ``kv_stationary_scratch``
     orders them (the rings at 2-5, their barriers at 1-4, the two "read" barriers
-    first); ``on_slot``: as ``produce_q_ring``'s."""
-    import jax.experimental.pallas as pl
-    plgpu = _plgpu()
+    first)."""
     smem, ready, free = scoped
-    plgpu.set_max_registers(24, action="decrease")
-    split = one_warp and on_slot is not None  # loads from warp 0, on_slot from warp 1
-
-    def produce():
-        produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
-                       tuple(ready[1:5]), tuple(free[:2]), None if split else on_slot)
-    if not split:
-        on_producer_warps(one_warp, produce)
-        return
-
-    def warps(warp):
-        pl.when(warp == 0)(produce)
-        pl.when(warp == 1)(lambda: slot_hooks(tbl_ref, b, blk, count, g, kvh, bq, stages,
-                                               free[0], on_slot))
-    plgpu.warp_map(warps)
-
-
-def slot_hooks(tbl_ref, b, blk, count, g, kvh, bq, stages, q_free, on_slot) -> None:
-    """``on_slot`` for each step, in step order, from a warp of its own: the slot's hook
-    runs once the consumers have freed the slot (as its loads do), and its latency stays
-    off the loads' path."""
-    import jax.experimental.pallas as pl
-    from jax import lax
-    plgpu = _plgpu()
-
-    @pl.loop(0, g * count)
-    def _(j):
-        slot = lax.rem(j, jnp.int32(stages))
-        hh = lax.div(j, count)
-        qh = kvh * g + hh
-        start = tbl_ref[b, blk, j - hh * count + 2] * bq
-
-        @pl.when(j >= stages)
-        def _():
-            plgpu.barrier_wait(q_free.at[slot])
-        on_slot(j, slot, qh, start)
+    _plgpu().set_max_registers(24, action="decrease")
+    on_producer_warps(one_warp, lambda: produce_q_ring(
+        tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
+        tuple(ready[1:5]), tuple(free[:2])))
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
@@ -228,21 +190,19 @@ def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: b
     return lax.fori_loop(0, g, head, (zero, zero))
 
 
-def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_acc=None,
-                         extra_out=()):
+def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_acc=None):
     """Run ``entry`` over one CTA per (key/value head, block of ``2 * bk`` keys, batch row)
     with three warpgroups; ``args``: the ten leading operands, then the segment ids if
     given; ``shape``: ``(B, Lk, Hkv, D)`` of K, and of the dK and dV it returns in
     ``dtype``.
     ``dq_acc``: a float32 Ref the kernel adds dQ into (``pl.kernel`` on a Mosaic GPU mesh
-    takes Ref operands; ``plgpu.kernel``'s batching wrapper does not); ``extra_out``:
-    ``(shape, dtype)`` of outputs after dK and dV."""
+    takes Ref operands; ``plgpu.kernel``'s batching wrapper does not)."""
     import jax.experimental.pallas as pl
     from jax_seqpar.runtime._compat import kernel_io
     plgpu = _plgpu()
     B, Lk, Hkv, D = shape
     args = list(args) + ([q_seg, kv_seg] if q_seg is not None else [])
-    args, out_type = kernel_io(args, [(shape, dtype)] * 2 + list(extra_out))
+    args, out_type = kernel_io(args, [(shape, dtype)] * 2)
     grid = dict(grid=(Hkv, Lk // (2 * bk), B), grid_names=("heads", "kv_seq", "batch"),
                 num_threads=3, thread_name="wg")
     params = compiler_params()
@@ -254,7 +214,7 @@ def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_a
 
 def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: MgpuConfig,
                          scale: float, masked: bool, classes: bool, split: bool,
-                         extra_smem=(), dq_out=None, hooks=None):
+                         extra_smem=()):
     """The key-stationary backward kernel around a consumer's step (dK/dV, fused): each
     CTA's consumers load their K and V blocks (``start_consumer``), run ``step`` over
     their tile-list row for each query head of the group (``key_block_grads``), meet once
@@ -269,13 +229,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     absent ids or dQ), its ``(smem, ready, free)`` (``kv_stationary_scratch``'s blocks,
     then ``extra_smem``; with ``split``, a third "free" barrier pair: dS stored), the
     CTA's ``kv_cta``, the consumer's first key row and its K block; it returns ``step(t,
-    carry, hh, mode) -> (dk, dv)``.
-
-    ``dq_out`` (``MgpuConfig.dq_first_store``): the shape of a third, float32 output that
-    dQ is written into (then ``dq_acc`` is the Ref of ``pallas_mgpu_dqfirst.counters``,
-    passed to ``make_step`` as a 16th ref).  ``hooks(refs, scoped, cta)`` returns
-    ``(on_slot, at_start, at_end)``: the producer's ``produce_q_ring`` hook and what a
-    consumer runs (given its ``wg``) before its first step and after its last."""
+    carry, hh, mode) -> (dk, dv)``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
@@ -287,11 +241,9 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
 
     def kernel(refs, scoped):
         tbl_ref, order_ref, _, k_ref, v_ref = refs[:5]
-        dk_ref, dv_ref = refs[13:15]
+        dk_ref, dv_ref = refs[-2:]
         smem, ready, free = scoped
         cta = b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
-        on_slot, at_start, at_end = (hooks(refs, scoped, cta) if hooks is not None
-                                     else (None, None, None))
 
         @pl.when(wg < 2)
         def _consumer():
@@ -299,14 +251,10 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
                                               blk, bk, kvh, wg)
             step = traced("step")(make_step(refs, scoped, cta, row0, kw))
-            if at_start is not None:
-                at_start(wg)
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
                                          classes, masked, step, (bk, D))
             with jax.named_scope("out"):
-                if at_end is not None:
-                    at_end(wg)
                 if split:
                     ds_ready_once_more(free[2], g, count)
                 store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
@@ -315,24 +263,19 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
         @pl.when(wg == 2)
         def _producer():
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped, on_slot)
+                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
 
     n_in = 10 + 2 * has_seg
 
     def entry(*refs):
         ins = refs[:n_in] if has_seg else refs[:n_in] + (None, None)
         dq_ref = refs[n_in] if with_dq else None
-        outs, tail = refs[-2:], ()
-        if dq_out is not None:  # dQ is the third output; the Ref holds the counters
-            tail = (dq_ref,)
-            outs, dq_ref = refs[-3:-1], refs[-1]
         smem, ready = kv_stationary_scratch(bk, bq, D, stages, dtype)
         frees = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
         if split:  # dS stored
             frees += (plgpu.Barrier(num_arrivals=2, num_barriers=2),)
-        pl.run_scoped(lambda sm, rd, fr: kernel((*ins, dq_ref, *outs, *tail), (sm, rd, fr)),
+        pl.run_scoped(lambda sm, rd, fr: kernel((*ins, dq_ref, *refs[-2:]), (sm, rd, fr)),
                       smem + tuple(extra_smem), ready, frees, collective_axes="wg")
 
-    extra_out = [] if dq_out is None else [(dq_out, F32)]
     return launch_kv_stationary(entry, args, q_seg, kv_seg, (B, Lk, Hkv, D), dtype, bk,
-                                dq_acc, extra_out)
+                                dq_acc)
