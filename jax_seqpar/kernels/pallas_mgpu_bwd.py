@@ -473,8 +473,9 @@ def zeroed_dq(shape, after):
     calls each) asked for 114 GiB of temporaries instead of 54 (RESULTS.md, "auto on
     the H200").  Without the zero, the first CTA at each query block storing its block and
     the others adding theirs once that store had landed (tickets and counters in global
-    memory; tried in 37829e7) gave the same gradients and read 71% of cuDNN's rate on
-    the bar's packed call against 83% for this way (RESULTS.md, 2026-12-03, evening)."""
+    memory; tried in 37829e7 and, with the tickets from a warp of their own, ed5f9c9) gave
+    the same gradients and read 71% of cuDNN's rate on the bar's packed call against
+    81-83% for this way (RESULTS.md, 2026-12-03, evening)."""
     zero, _ = lax.optimization_barrier((jnp.zeros((), F32), after))
     return jnp.broadcast_to(zero, shape)
 
