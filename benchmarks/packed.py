@@ -473,7 +473,10 @@ def variant_agreement(ok, args, S, mean, calls: int = 3):
     own inputs, ``calls`` times (a race in a variant shows in some calls and not others),
     with ``packed auto`` against itself as the floor (its dQ sums in a different order
     each call): ``{name: {"rel": worst relative norm error, "max": worst max-abs error
-    over the reference's max-abs}}``, over the three gradients."""
+    over the reference's max-abs, "dq"/"dk"/"dv": each gradient's worst relative norm
+    error}}``, ``rel`` and ``max`` over the three gradients.  Apart, they show whether a
+    difference is only dQ's summation order (dK and dV, which no CTA adds into, equal to
+    the bit in a correct variant that computes the same products)."""
     if "packed auto" not in ok:
         return {}
     ref = [np.asarray(g, np.float32) for g in ok["packed auto"](*args)]
@@ -482,15 +485,18 @@ def variant_agreement(ok, args, S, mean, calls: int = 3):
         if not name.startswith("packed ") or name == "packed pallas":
             continue
         rel = mx = 0.0
+        each = [0.0] * len(ref)
         for _ in range(calls):
             got = ok[name](*args)
-            for g, r in zip(got, ref):
+            for i, (g, r) in enumerate(zip(got, ref)):
                 g = np.asarray(g, np.float32)
-                rel = max(rel, _rel(g, r))
+                each[i] = max(each[i], _rel(g, r))
                 mx = max(mx, float(np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)))
-        out[name] = {"rel": rel, "max": mx}
+            rel = max(each)
+        out[name] = {"rel": rel, "max": mx, **dict(zip(("dq", "dk", "dv"), each))}
         print(f"  agreement S={S} docs~{mean} {name:22s} vs packed auto ({calls} calls): "
-              f"rel {rel:.2e}  max {mx:.2e}", flush=True)
+              f"rel {rel:.2e}  max {mx:.2e}  (dq {each[0]:.2e} dk {each[1]:.2e} "
+              f"dv {each[2]:.2e})", flush=True)
     return out
 
 

@@ -53,7 +53,8 @@ def test_variant_agreement_finds_a_race_that_shows_in_one_call():
           "packed good": lambda *_: [g * (1 + 1e-6) for g in ref], "packed racy": racy}
     got = packed.variant_agreement(ok, (), S=64, mean=16)
     assert set(got) == {"packed auto", "packed good", "packed racy"} and calls["n"] == 3
-    assert got["packed auto"] == {"rel": 0.0, "max": 0.0}
+    assert got["packed auto"] == {"rel": 0.0, "max": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    assert got["packed racy"]["dq"] > 0.1 and got["packed racy"]["dk"] == 0.0
     assert got["packed good"]["rel"] < 1e-5 and got["packed good"]["max"] < 1e-5
     assert got["packed racy"]["rel"] > 0.1 and got["packed racy"]["max"] > 0.1
     assert packed.variant_agreement({"packed good": ok["packed good"]}, (), 64, 16) == {}

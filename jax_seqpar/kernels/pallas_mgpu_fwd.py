@@ -599,7 +599,8 @@ def mgpu_fwd(q, k, v, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None, k
     if index not in ("dense", "causal"):
         tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk, has_seg, classes=classes,
                          **seg_kw)
-        order = doc_cta_order(tbl) if config.doc_order and has_seg else cta_order(tbl)
+        order = (doc_cta_order(tbl, classes=classes) if config.doc_order and has_seg
+                 else cta_order(tbl))
     o, lse = _fwd_call(tbl, order, _pad_to(q, 1, Lq), _pad_to(k, 1, Lk),
                        _pad_to(v, 1, Lk), q_pos, kv_pos, *segs, mask=mask, scale=scale,
                        Tk=Tk, masked=masked, config=config, index=index, classes=classes)
