@@ -355,65 +355,6 @@ def test_tile_lists_mask_classes_rebuild_the_mask(kind, segs, transpose):
                    True, classes=True)
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "zigzag", "ring_step"])
-@pytest.mark.parametrize("segs", ["sorted", "short", "unsorted"])
-@pytest.mark.parametrize("transpose", [False, True], ids=["rows_q", "rows_k"])
-def test_tile_lists_half_classes_hold_a_masked_half(kind, segs, transpose):
-    """``tile_lists(halves=True)`` (``MgpuConfig.skip_empty_halves``): every visible tile
-    still listed, five class starts in order, each mask class a subset of the same class
-    without halves, and on every tile of ``("half", w)`` key half ``w`` wholly masked by
-    the contract; on packed ids each key block's diagonal tile is such a tile."""
-    from jax_seqpar.kernels.pallas_common import HALF_CLASSES, MASK_CLASSES, list_classes
-    Tq, Tk, bq, bk = 64, 48, 8, 16
-    qp, kp, qs, ks = _segment_case(kind, segs, Tq, Tk, len(kind) + 3 * len(segs))
-    mask = MaskSpec(causal=True)
-    kp_pad, qs_pad, ks_pad = _padded_blocks(kp, bk), _padded_blocks(qs, bq), \
-        _padded_blocks(ks, bk)
-
-    def lists(**kw):
-        return np.asarray(tile_lists(mask, jnp.asarray(qp[None], jnp.int32),
-                                     jnp.asarray(kp_pad), Tk, bq, bk, True,
-                                     transpose=transpose, q_seg=jnp.asarray(qs_pad[None]),
-                                     kv_seg=jnp.asarray(ks_pad[None]), classes=True, **kw))
-    ref, tbl = lists(), lists(halves=True)
-    assert tbl.shape[-1] == ref.shape[-1] + 2
-    kinds = list_classes(True, halves=True)
-    assert kinds[-2:] == HALF_CLASSES
-    vis = np.asarray(mask.visible(jnp.asarray(qp), jnp.asarray(kp_pad))) & (
-        qs[:, None] == ks_pad[None, :]) & (np.arange(len(kp_pad)) < Tk)
-    seen = collections.Counter()
-    for r in range(tbl.shape[1]):
-        count, n_full = tbl[0, r, 0], tbl[0, r, 1]
-        bounds = [n_full, *tbl[0, r, -5:], count]
-        assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
-        rbounds = [0, ref[0, r, 1], *ref[0, r, -3:], ref[0, r, 0]]
-        groups = [tbl[0, r, 2:2 + n_full]] + [tbl[0, r, 2 + lo:2 + hi]
-                                               for lo, hi in zip(bounds, bounds[1:])]
-        for c in range(1 + len(MASK_CLASSES)):
-            was = ref[0, r, 2 + rbounds[c]:2 + rbounds[c + 1]]
-            assert set(groups[c].tolist()) <= set(was.tolist())
-            assert (np.diff(groups[c]) > 0).all()  # each group in increasing order
-        for c, (_, w) in enumerate(HALF_CLASSES):
-            for col in groups[1 + len(MASK_CLASSES) + c]:
-                i, j = (col, r) if transpose else (r, col)
-                rows = slice(i * bq, (i + 1) * bq)
-                empty = slice(j * bk + w * bk // 2, j * bk + (w + 1) * bk // 2)
-                assert not vis[rows, empty].any(), "a listed empty half sees a key"
-                seen[w] += 1
-        listed = set(np.concatenate(groups).tolist())
-        assert len(listed) == count
-        for col in range(ref.shape[-1] - 5):
-            i, j = (col, r) if transpose else (r, col)
-            if vis[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any():
-                assert col in listed, "a visible tile dropped"
-    if segs == "sorted" and kind == "contiguous":
-        assert seen[1] >= Tk // bk - 1, seen  # the diagonal of (nearly) every key block
-    with pytest.raises(ValueError, match="halves=True needs classes=True"):
-        tile_lists(mask, jnp.asarray(qp[None], jnp.int32), jnp.asarray(kp_pad), Tk, bq, bk,
-                   True, q_seg=jnp.asarray(qs_pad[None]), kv_seg=jnp.asarray(ks_pad[None]),
-                   halves=True)
-
-
 def test_segment_skip_flag_restores_the_plain_lists():
     """``PallasConfig(segment_skip=False)`` / ``MgpuConfig(segment_skip=False)``: the
     fallback that lists every position-visible tile."""

@@ -56,8 +56,6 @@ def _request(**kw):
     (dict(split_dq=True), "needs atomic_dq=True"),
     (dict(atomic_dq=True, row_scores=True), "needs atomic_dq=True and split_dq=True"),
     (dict(dv_with_dp=1), "must be a bool"),
-    (dict(atomic_dq=True, split_dq=True, skip_empty_halves=True), "needs row_scores=True"),
-    (dict(skip_empty_halves=1), "must be a bool"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -156,13 +154,13 @@ def test_launch_order_puts_the_longest_rows_first():
     np.testing.assert_array_equal(order[1], np.arange(5))
 
 
-def _packed_lists(lens, T, rows=128, classes=False, transpose=False, halves=False):
+def _packed_lists(lens, T, rows=128, classes=False, transpose=False):
     ids = np.repeat(np.arange(len(lens)), lens).astype(np.int32)[None]
     pos = jnp.arange(T, dtype=jnp.int32)
     seg = jnp.asarray(ids)
     return ids, np.asarray(tile_lists(MaskSpec(causal=True), pos[None], pos, T, rows, rows,
                                       True, transpose=transpose, q_seg=seg, kv_seg=seg,
-                                      classes=classes, halves=halves))
+                                      classes=classes))
 
 
 @pytest.mark.parametrize("classes", [False, True])
@@ -216,20 +214,19 @@ def test_doc_launch_order_keeps_documents_together(classes):
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize("classes,halves", [(False, False), (True, False), (True, True)])
-def test_doc_launch_order_reads_the_groups_ends(transpose, classes, halves):
+@pytest.mark.parametrize("classes", [False, True])
+def test_doc_launch_order_reads_the_groups_ends(transpose, classes):
     """``doc_cta_order`` reads a row's smallest (largest) entry from its groups' first
     (last) entries; the order equals one from the smallest (largest) of all of the
-    row's live entries, rows with nothing to see included, with mask classes and with
-    the half classes of ``skip_empty_halves`` (two more class starts a row)."""
+    row's live entries, rows with nothing to see included, with and without mask
+    classes."""
     from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
     lens = [640, 1536, 300, 1492, 1536, 1664]
-    _, tbl = _packed_lists(lens, sum(lens), classes=classes, transpose=transpose,
-                           halves=halves)
+    _, tbl = _packed_lists(lens, sum(lens), classes=classes, transpose=transpose)
     tbl = tbl.copy()
     tbl[0, 3, :2] = 0  # a row with nothing to see
     if classes:
-        tbl[0, 3, -(5 if halves else 3):] = 0
+        tbl[0, 3, -3:] = 0
     n, width = tbl.shape[1:]
     count = tbl[0, :, 0]
     live = np.arange(width - 2)[None] < count[:, None]
@@ -240,8 +237,7 @@ def test_doc_launch_order_reads_the_groups_ends(transpose, classes, halves):
     longest = np.zeros(width + n, np.int64)
     np.maximum.at(longest, ref, count)
     want = np.lexsort((-count, ref, -longest[ref]))
-    got = np.asarray(doc_cta_order(jnp.asarray(tbl), last=transpose, classes=classes,
-                                   halves=halves))[0]
+    got = np.asarray(doc_cta_order(jnp.asarray(tbl), last=transpose, classes=classes))[0]
     np.testing.assert_array_equal(got, want)
 
 
@@ -908,38 +904,6 @@ def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
         assert len(waits) >= 2  # one step body per mask class at least
         last_wait[early] = set(waits)
     assert last_wait == {False: {"0"}, True: {"1"}}
-
-
-@pytest.mark.parametrize("seg", [False, True])
-def test_fused_backward_skips_empty_halves(seg, monkeypatch):
-    """``skip_empty_halves``: with segment ids (and so mask classes) the fused kernel's
-    transposed lists carry the half classes and each of the two lowers to a step body
-    of its own in either consumer (a reduce-add each: four more); without segment ids
-    there are no classes, so the flag changes nothing."""
-    from jax_seqpar.kernels import pallas_mgpu_bwd
-    modules = _mosaic_modules(monkeypatch)
-    seen, real = [], pallas_mgpu_bwd.tile_lists
-    monkeypatch.setattr(pallas_mgpu_bwd, "tile_lists",
-                        lambda *a, **k: seen.append(k.get("halves", False)) or real(*a, **k))
-    T = 512
-    q = SDS((1, T, 2, 128), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
-    lse, mask = SDS((1, 2, T), jnp.float32), MaskSpec(causal=True)
-    reduces = {}
-    for on in (False, True):
-        c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], atomic_dq=True, split_dq=True,
-                                row_scores=True, dv_with_dp=False, skip_empty_halves=on)
-        _lowered(lambda q, k, v, o, l, do, a, b, *s: mgpu_bwd(
-            q, k, v, o, l, do, a, b, mask, 0.1, *s, config=c), q, q, q, q, lse, q, *pos,
-            *segs)
-        reduces[on] = len(re.findall(r"cp\.reduce\.async\.bulk", modules[-1]))
-    assert seen == [False, seg]
-    if seg:
-        assert reduces[True] == reduces[False] + 4
-    else:  # (but for the name each lowering numbers anew)
-        same = [re.sub(r'dump_basename = "[^"]*"', "", m) for m in modules[-2:]]
-        assert same[0] == same[1]
 
 
 @pytest.mark.parametrize("kw", [dict(atomic_dq=True, split_dq=True, row_scores=True),

@@ -167,47 +167,10 @@ def segment_tiles(q_seg, kv_seg, bq: int, bk: int):
 #: query alone, which a backward kernel folds into the query's lse (``+inf``: P = 0) at no
 #: cost per score; ``"pair"``: the test per score, as without classes.
 MASK_CLASSES = ((False, "fold"), (True, "fold"), (False, "pair"), (True, "pair"))
-#: The two classes ``tile_lists(halves=True)`` adds after ``MASK_CLASSES``: ``("half",
-#: w)``, tiles whose key half ``w`` (keys ``w * bk / 2 ..``) is wholly masked and whose
-#: other half needs the full test.
-HALF_CLASSES = (("half", 0), ("half", 1))
-
-
-def list_classes(classes: bool, halves: bool = False) -> tuple:
-    """The classes of a list row's masked part, in order (``MASK_CLASSES``, then
-    ``HALF_CLASSES`` with ``halves``), or () without classes; a row ends with the start
-    of each but the first."""
-    if halves and not classes:
-        raise ValueError("halves=True needs classes=True (the half classes follow the "
-                         "mask classes in the row)")
-    return (MASK_CLASSES + (HALF_CLASSES if halves else ())) if classes else ()
-
-
-def _tile_bounds(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, q_seg, kv_seg):
-    """``(vis, full, pos_full)`` ``[B, nq, nk]`` of the ``[bq, bk]`` tiles from the
-    blocks' position (and, given, segment id) ranges: may some pair be visible, is every
-    pair visible, is every pair visible by positions alone (and no key padded)."""
-    B, Lq = q_pos.shape
-    qb = q_pos.reshape(B, Lq // bq, bq)
-    kb = kv_pos.reshape(-1, bk)
-    q_lo, q_hi = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]  # [B, nq, 1]
-    k_lo, k_hi = kb.min(-1)[None, None], kb.max(-1)[None, None]  # [1, 1, nk]
-    nq, nk = qb.shape[1], kb.shape[0]
-    shape = (B, nq, nk)
-    vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
-    full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
-    whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
-    pos_full = full & whole[None, None, :]
-    if q_seg is not None:
-        may_share, one_segment = segment_tiles(q_seg, kv_seg, bq, bk)
-        vis = vis & may_share
-        full = full & one_segment
-    return vis, full, pos_full
 
 
 def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg: bool,
-               transpose: bool = False, q_seg=None, kv_seg=None, classes: bool = False,
-               halves: bool = False):
+               transpose: bool = False, q_seg=None, kv_seg=None, classes: bool = False):
     """Per row block, the column blocks it may see, as ``int32 [B, n_rows, n_cols + 2]``.
 
     Entry 0 is the number ``c`` of visible blocks, entry 1 the number ``f <= c`` of them
@@ -231,24 +194,28 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     ``[..., n_cols + 2 : n_cols + 5]`` are where the 2nd, 3rd and 4th class start (the
     1st starts at ``f``, the 4th ends at ``c``), so a kernel runs one loop per class
     with only the mask code that class needs.
-
-    ``halves`` (with ``classes``; the fused backward's ``MgpuConfig.skip_empty_halves``):
-    the key blocks are also tested in halves of ``bk / 2``.  A tile one of whose halves
-    the bounds prove wholly masked goes to ``HALF_CLASSES`` after the mask classes (its
-    other half taking the full test), and a tile both of whose halves are so proved is
-    dropped; two more class starts close each row (five in all).  In a causal document
-    every key block's diagonal query block is such a tile (``bk`` keys of 128 against
-    queries of 64: its later half sees none of them).
     """
-    B = q_pos.shape[0]
+    B, Lq = q_pos.shape
+    qb = q_pos.reshape(B, Lq // bq, bq)
+    kb = kv_pos.reshape(-1, bk)
+    q_lo, q_hi = qb.min(-1)[:, :, None], qb.max(-1)[:, :, None]  # [B, nq, 1]
+    k_lo, k_hi = kb.min(-1)[None, None], kb.max(-1)[None, None]  # [1, 1, nk]
+    nq, nk = qb.shape[1], kb.shape[0]
+    shape = (B, nq, nk)
+    vis = jnp.broadcast_to(jnp.asarray(mask.tile_may_be_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    full = jnp.broadcast_to(jnp.asarray(mask.tile_fully_visible(q_lo, q_hi, k_lo, k_hi)), shape)
+    whole = (jnp.arange(nk) + 1) * bk <= Tk  # no padded key in the block
+    pos_full = full & whole[None, None, :]
     if classes and q_seg is None:
         raise ValueError("tile_lists(classes=True) needs q_seg and kv_seg (the classes "
                          "sort the tiles that segments mask)")
-    kinds = list_classes(classes, halves)
-    vis, full, pos_full = _tile_bounds(mask, q_pos, kv_pos, Tk, bq, bk, q_seg, kv_seg)
-    if q_seg is None and has_seg:
+    if q_seg is not None:
+        may_share, one_segment = segment_tiles(q_seg, kv_seg, bq, bk)
+        vis = vis & may_share
+        full = full & one_segment
+    elif has_seg:
         full = full & False
-    full = full & vis & ((jnp.arange(vis.shape[-1]) + 1) * bk <= Tk)[None, None, :]
+    full = full & whole[None, None, :] & vis
     if not classes:
         if transpose:
             vis, full = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(full, 1, 2)
@@ -257,21 +224,12 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
     k_lo_seg, k_hi_seg = block_ranges(kv_seg, bk)
     k_one = (k_lo_seg == k_hi_seg)[:, None, :]               # [B, 1, nk]
     group = jnp.where(full, 0, 1 + jnp.where(k_one, 0, 2) + jnp.where(pos_full, 0, 1))
-    if halves:
-        if bk % 2:
-            raise ValueError(f"tile_lists(halves=True) needs an even bk; got {bk}")
-        half_vis, _, _ = _tile_bounds(mask, q_pos, kv_pos, Tk, bq, bk // 2, q_seg, kv_seg)
-        half_vis = half_vis.reshape(B, vis.shape[1], vis.shape[2], 2)
-        vis = vis & half_vis.any(-1)
-        one_empty = half_vis[..., 0] != half_vis[..., 1]
-        group = jnp.where(one_empty & ~full, 1 + len(MASK_CLASSES)
-                          + jnp.where(half_vis[..., 0], 1, 0), group)
     if transpose:
         vis, group = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(group, 1, 2)
-    order, counts = partition_tiles(vis, group, 1 + len(kinds))
-    starts = jnp.cumsum(counts, -1, dtype=jnp.int32)          # ends of the groups
-    return jnp.concatenate([starts[..., -1:], starts[..., :1], order,
-                            starts[..., 1:len(kinds)]], axis=-1)
+    order, counts = partition_tiles(vis, group, 1 + len(MASK_CLASSES))
+    starts = jnp.cumsum(counts, -1, dtype=jnp.int32)          # ends of groups 0..4
+    return jnp.concatenate([starts[..., -1:], starts[..., :1], order, starts[..., 1:4]],
+                           axis=-1)
 
 
 def compact_tiles(vis, full):

@@ -513,18 +513,16 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
     if config.row_scores:  # the fused kernel, scores by row: classes as the dQ kernel's
         classes_dkdv = bool(seg_kw) and config.mask_classes
-    # the fused kernel's empty halves need the classes (they follow them in each row)
-    halves = config.skip_empty_halves and config.row_scores and classes_dkdv
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
-                       classes=classes_dkdv, halves=halves, **seg_kw)
-    order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv, halves=halves)
+                       classes=classes_dkdv, **seg_kw)
+    order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv)
                if config.doc_order_bwd and has_seg else cta_order(tbl_t))
     if config.atomic_dq:
         dq_acc = jax.new_ref(zeroed_dq((B, Lq, Hq, D), dl))
         args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
-                                config=config, classes=classes_dkdv, halves=halves)
+                                config=config, classes=classes_dkdv)
         else:
             dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=pos_masked,
                                 config=config, dq_acc=dq_acc)

@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "skip_empty_halves")
+               "early_exit", "doc_order_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,14 +194,6 @@ class MgpuConfig:
     the wall clock -0.2 to -2.3, inside that clock's spread); the H200's D 128 segments
     entry takes it.  The two-kernel dK/dV kernel, grouped by document from the segment
     ids, read 0.5-2.5% slower on 2026-11-28; it was not measured with this order.
-    ``skip_empty_halves`` (the fused backward of ``row_scores``, with segment ids and
-    mask classes): its transposed lists also test each key block in the consumers'
-    halves (``tile_lists(halves=True)``), and in a tile one of whose halves is wholly
-    masked that half's consumer runs no products of its own: it waits on the step's
-    barriers, meets its partner and adds its dQ half from its partner's dS alone, while
-    the partner runs its step with the full mask test and no product of the empty
-    half's dS.  In a causal document that is each key block's diagonal query block,
-    about 2% of the consumers' steps on the bar's packed documents at 64k.
     """
 
     block_q: int = 64
@@ -232,7 +224,6 @@ class MgpuConfig:
     early_dq: bool = True
     early_exit: bool = True
     doc_order_bwd: bool = False
-    skip_empty_halves: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -248,9 +239,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.persistent=True runs its producer as a warpgroup "
                              "(its loop over items is a while loop, which Mosaic GPU does "
                              "not lower in a single warp); set warp_producer=False")
-        if self.skip_empty_halves and not self.row_scores:
-            raise ValueError("MgpuConfig.skip_empty_halves=True needs row_scores=True (it "
-                             "is a step of the fused backward)")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")
@@ -458,7 +446,7 @@ def cta_order(tbl):
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
 
 
-def doc_cta_order(tbl, last: bool = False, classes: bool = False, halves: bool = False):
+def doc_cta_order(tbl, last: bool = False, classes: bool = False):
     """(``MgpuConfig.doc_order``) A launch order of query blocks that keeps each
     document's blocks together, from the tile lists alone: a block's document is the
     first key block it sees (its smallest list entry; a packed document's query blocks
@@ -467,8 +455,8 @@ def doc_cta_order(tbl, last: bool = False, classes: bool = False, halves: bool =
     row) that is ``cta_order``'s order.  Only the order of the CTAs changes, never what
     they compute.  ``last`` (``MgpuConfig.doc_order_bwd``, transposed lists, rows of key
     blocks): a row's document is the last query block it sees (its largest entry),
-    which a causal document's key blocks share.  ``classes``, ``halves``: the lists were
-    built with ``tile_lists(classes=..., halves=...)``.
+    which a causal document's key blocks share.  ``classes``: the lists were built with
+    ``tile_lists(classes=True)``.
 
     A row's groups (fully visible, then each mask class) are each in increasing order,
     so its smallest entry is the smallest of its groups' first entries and its largest
@@ -476,12 +464,10 @@ def doc_cta_order(tbl, last: bool = False, classes: bool = False, halves: bool =
     a reduction over all of it (which took 15 us of each packed 64k call's lists on one
     H200: RESULTS.md, 2026-12-03)."""
     import jax
-    from jax_seqpar.kernels.pallas_common import list_classes
     B, n, width = tbl.shape
     count = tbl[..., 0]
-    k = len(list_classes(classes, halves)) - 1  # class starts closing the row
-    if classes:  # group ends: f, the class starts, c
-        ends = jnp.concatenate([tbl[..., 1:2], tbl[..., -k:], tbl[..., :1]], -1)
+    if classes:  # group ends: f, the three class starts, c
+        ends = jnp.concatenate([tbl[..., 1:2], tbl[..., -3:], tbl[..., :1]], -1)
     else:
         ends = tbl[..., 1::-1]  # f, c
     begins = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], -1)
@@ -584,24 +570,21 @@ def step_index(index, token, enabled: bool = True):
     return jnp.where(token >= 0, index, 0) if enabled else index
 
 
-def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry,
-                 halves: bool = False):
+def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry):
     """The masked part of a tile-list row: ``carry = run(lo, hi, mode, carry)`` over each
     class's entries ``lo .. hi`` with ``mode = (position test?, segment test)`` (see
-    ``pallas_common.MASK_CLASSES``; with ``halves``, then ``("half", w)`` of
-    ``HALF_CLASSES``), or over all of them with the full test when the lists have no
-    classes (segment test ``"pair"``, or None without segment ids).
-    The class starts are the row's last entries (three, or five with ``halves``), which
-    ``tile_lists`` keeps in order between ``n_full`` and ``count`` (a CPU test checks
-    it): a row whose classes covered more entries than ``count`` would make the
-    consumers wait forever for ring slots the producer never fills."""
-    from jax_seqpar.kernels.pallas_common import list_classes
+    ``pallas_common.MASK_CLASSES``), or over all of them with the full test when the
+    lists have no classes (segment test ``"pair"``, or None without segment ids).
+    The class starts are the row's last three entries, which ``tile_lists`` keeps in
+    order between ``n_full`` and ``count`` (a CPU test checks it): a row whose classes
+    covered more entries than ``count`` would make the consumers wait forever for ring
+    slots the producer never fills."""
+    from jax_seqpar.kernels.pallas_common import MASK_CLASSES
     if not classes:
         return run(n_full, count, (True, "pair" if has_seg else None), carry)
-    kinds = list_classes(classes, halves)
-    n, k = tbl_ref.shape[-1], len(kinds) - 1
-    bounds = [n_full] + [tbl_ref[b, row, n - k + i] for i in range(k)] + [count]
-    for i, mode in enumerate(kinds):
+    n = tbl_ref.shape[-1]
+    bounds = [n_full] + [tbl_ref[b, row, n - 3 + i] for i in range(3)] + [count]
+    for i, mode in enumerate(MASK_CLASSES):
         carry = run(bounds[i], bounds[i + 1], mode, carry)
     return carry
 
@@ -652,11 +635,10 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
 
 def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, masked: bool,
-              step, carry, start: int = 0, halves: bool = False):
+              step, carry, start: int = 0):
     """One tile-list row: ``carry = step(t, carry, mode=...)`` over its unmasked entries,
-    then (``masked``) over each mask class's (``masked_loops``; ``halves``: the lists
-    have ``HALF_CLASSES`` too); ``start``: entries before it are left out (run by the
-    caller), whichever loop they belong to."""
+    then (``masked``) over each mask class's (``masked_loops``); ``start``: entries before
+    it are left out (run by the caller), whichever loop they belong to."""
     from jax import lax
     first = (lambda lo: lo) if start == 0 else (lambda lo: jnp.maximum(lo, start))
     carry = lax.fori_loop(start, n_full, functools.partial(step, mode=None), carry)
@@ -665,5 +647,5 @@ def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, mask
             tbl_ref, b, row, n_full, count, has_seg, classes,
             lambda lo, hi, mode, carry: lax.fori_loop(
                 first(lo), hi, functools.partial(step, mode=mode), carry),
-            carry, halves=halves)
+            carry)
     return carry

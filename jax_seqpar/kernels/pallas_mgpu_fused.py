@@ -26,11 +26,6 @@ step (``S^T = K Q^T``):
   whole ``[queries, 2 * block_kv_bwd]`` dS by half of K's columns and adds that half of
   the dQ block into a zeroed float32 dQ in global memory with a TMA reduce-add.
 
-With ``MgpuConfig.skip_empty_halves`` a tile whose keys of one consumer no query sees
-(``tile_lists(halves=True)``'s ``HALF_CLASSES``: in a causal document, each key block's
-diagonal query block) runs no products in that consumer (``empty_step``) and its
-partner's dQ products leave that half's dS out.
-
 The consumer's own K, V and P blocks are indexed in each step (``step_index``): hoisted
 out of the loop, their wgmma descriptors took registers that ptxas then spilled (1080
 bytes a thread; 124 this way, on one H100).
@@ -41,6 +36,13 @@ stored; the barrier; the dQ half and ``dK`` issued together, and with ``early_dq
 (the default) the dQ half first, its reduce-add running while ``dK`` does.  Without
 ``dv_with_dp`` ``S`` and ``dP`` are issued together and ``P`` is formed while ``dP``
 runs.  The summation order of dQ varies from run to run.
+
+Tried and taken out (756eed8): letting the consumer whose keys no query of a tile sees
+(each key block's diagonal query block in a causal document: 2% of the consumers' steps
+on the bar's packed documents at 64k) skip its products, its partner running the step
+alone with the full mask test.  Correct (dK and dV then summed in another order), but
+ptxas spilled 448 / 508 bytes a thread instead of 132 / 184, and the bar read 0.9
+points lower over three runs on one H200 (RESULTS.md, 2026-12-03, night).
 """
 
 from __future__ import annotations
@@ -58,12 +60,11 @@ from jax_seqpar.masks import MaskSpec
 
 def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
                *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               classes: bool = False, halves: bool = False):
+               classes: bool = False):
     """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
-    ``classes``, with ``HALF_CLASSES`` if ``halves`` (``MgpuConfig.skip_empty_halves``:
-    ``empty_step``)."""
+    ``classes``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
@@ -104,51 +105,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                                 qseg, kseg if pair else None, 0, (bq, bk))
 
         def step(t, carry, hh, mode):
-            """One streamed query block; a tile of ``HALF_CLASSES`` (``("half", w)``:
-            keys half ``w`` wholly masked) runs ``empty_step`` in consumer ``w`` and the
-            full test in its partner, which leaves out the empty half's dS."""
-            if mode is not None and mode[0] == "half":
-                w_e = mode[1]
-                return lax.cond(wg == w_e,
-                                lambda c: empty_step(t, c, hh, w_e),
-                                lambda c: full_step(t, c, hh, (True, "pair"), skip=w_e),
-                                carry)
-            return full_step(t, carry, hh, mode)
-
-        def empty_step(t, carry, hh, w_e):
-            """(Consumer ``w_e``, whose keys no query of the tile sees.)  No products of
-            its own: it keeps the ring's and the step's barriers in phase, meets its
-            partner, and adds its half of dQ's columns from the partner's dS alone
-            (``dS K`` over the partner's keys; its own dS is zero)."""
-            j = hh * count + t
-            slot = lax.rem(j, jnp.int32(stages))
-            par = lax.rem(j, jnp.int32(2))
-            start = tbl_ref[b, blk, t + 2] * bq
-            o = 1 - w_e
-            w_o = step_index(jnp.int32(o), start)
-            for ready in (q_ready, do_ready, lse_ready, dl_ready):
-                plgpu.barrier_wait(ready.at[slot])
-            plgpu.barrier_arrive(do_free.at[slot])
-            with jax.named_scope("meet"):
-                plgpu.barrier_arrive(ds_ready.at[par])
-                plgpu.barrier_wait(ds_ready.at[par])
-            cols = pl.ds(w_e * half, half)
-            zq = plgpu.layout_cast(jnp.full((bq, half), 0.0, F32), WGMMA)
-
-            def dq_half(dq_ref_):
-                plgpu.wgmma(dq_ref_, ds_smem.at[par, o], k_smem.at[w_o, :, cols])
-                dq = plgpu.wgmma_accumulator_load(dq_ref_, wait_n=0)
-                with jax.named_scope("red"):
-                    reduce_add_dq(dq_smem.at[w_e], dq, lambda: dq_ref.at[
-                        b, pl.ds(start, bq), kvh * g + hh].at[:, cols])
-            with jax.named_scope("back"):
-                pl.run_state(dq_half)(plgpu.ACC.init(zq))
-                plgpu.barrier_arrive(q_free.at[slot])
-            return carry
-
-        def full_step(t, carry, hh, mode, skip=None):
-            """The step; ``skip``: the key half whose dS (zero, and not stored) the dQ
-            products leave out."""
             dk, dv = carry
             j = hh * count + t
             slot = lax.rem(j, jnp.int32(stages))
@@ -227,8 +183,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
             def dq_products(dq_ref_):
                 for w in range(2):  # (w_own - wg + w: w, as the step's index)
-                    if w == skip:
-                        continue
                     kk = k_smem.at[w_own - wg + w, :, cols]
                     plgpu.wgmma(dq_ref_, ds_smem.at[par, w], kk)
 
@@ -266,4 +220,4 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
         dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
-        extra_smem=extra, halves=halves)
+        extra_smem=extra)

@@ -176,17 +176,16 @@ def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, 
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
-                    masked: bool, step, shape, halves: bool = False):
+                    masked: bool, step, shape):
     """A consumer's dK and dV (``shape``, float32, from zero) after ``step(t, carry, hh=,
-    mode=)`` over its tile-list row for each of the ``g`` query heads of the group
-    (``halves``: the row has ``HALF_CLASSES`` too)."""
+    mode=)`` over its tile-list row for each of the ``g`` query heads of the group."""
     import functools
     from jax import lax
     plgpu = _plgpu()
 
     def head(hh, carry):
         return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
-                         functools.partial(step, hh=hh), carry, halves=halves)
+                         functools.partial(step, hh=hh), carry)
     zero = plgpu.layout_cast(jnp.full(shape, 0.0, F32), plgpu.Layout.WGMMA)
     return lax.fori_loop(0, g, head, (zero, zero))
 
@@ -215,7 +214,7 @@ def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_a
 
 def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: MgpuConfig,
                          scale: float, masked: bool, classes: bool, split: bool,
-                         extra_smem=(), halves: bool = False):
+                         extra_smem=()):
     """The key-stationary backward kernel around a consumer's step (dK/dV, fused): each
     CTA's consumers load their K and V blocks (``start_consumer``), run ``step`` over
     their tile-list row for each query head of the group (``key_block_grads``), meet once
@@ -230,8 +229,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     absent ids or dQ), its ``(smem, ready, free)`` (``kv_stationary_scratch``'s blocks,
     then ``extra_smem``; with ``split``, a third "free" barrier pair: dS stored), the
     CTA's ``kv_cta``, the consumer's first key row and its K block; it returns ``step(t,
-    carry, hh, mode) -> (dk, dv)``.  ``halves``: the lists have ``HALF_CLASSES``, whose
-    modes ``step`` receives too."""
+    carry, hh, mode) -> (dk, dv)``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
@@ -255,7 +253,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
             step = traced("step")(make_step(refs, scoped, cta, row0, kw))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
-                                         classes, masked, step, (bk, D), halves=halves)
+                                         classes, masked, step, (bk, D))
             with jax.named_scope("out"):
                 if split:
                     ds_ready_once_more(free[2], g, count)
