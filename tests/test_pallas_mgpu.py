@@ -390,8 +390,10 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
     pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
     segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
-    for fcfg in ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
-                 + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else [])):
+    fwd_cfgs = ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
+                + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else []))
+    # (a variant equal to the default, or to another, is lowered once)
+    for fcfg in dict.fromkeys(fwd_cfgs):
         fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
                                                             config=fcfg),
                        q, kv, kv, *pos, *segs)
@@ -419,9 +421,13 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
          dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False,
               dv_with_dp=False)]
         if D >= 128 else [])
+    lowered = set()
     for kw in variants:
         atomic = kw["atomic_dq"]
         c = dataclasses.replace(cfg, **kw)
+        if c in lowered:
+            continue
+        lowered.add(c)
         bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
             q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=c), q, kv, kv, q, lse, q,
             *pos, *segs)
