@@ -252,10 +252,10 @@ def partition_tiles(vis, group, n_groups: int):
     case.
 
     Every group's prefix sums come out of one cumulative sum over a ``[..., n_groups,
-    n]`` one-hot (one XLA reduce-window), not one per group: the per-group form ran 5
-    reduce-windows and 4 reductions for each list of the bar's packed call, about 23 us
-    of its 134 us of lists on one H200 (RESULTS.md, 2026-12-03, "Where the bar's packed
-    call spends its time")."""
+    n]`` one-hot (one XLA reduce-window), not one cumulative sum and one count per group.
+    With ``doc_cta_order`` reading group ends, the lists of the bar's packed call took 93
+    us in 38 kernels on one H200 instead of 134 us in 48 (RESULTS.md, "Tile lists in one
+    pass")."""
     n_cols = vis.shape[-1]
     col = jnp.arange(n_cols, dtype=jnp.int32)
     ids = jnp.arange(n_groups, dtype=jnp.int32)[:, None]
