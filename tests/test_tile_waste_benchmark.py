@@ -1,0 +1,59 @@
+"""benchmarks/tile_waste.py: the tiles of the kernels' lists and of per-document tiling,
+against a count over every query-key pair."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import packed  # noqa: E402
+import tile_waste  # noqa: E402
+
+
+def _brute_tiles(seg, q_starts, k_starts, rows, cols):
+    """Tiles ``[q0, q0 + rows) x [k0, k0 + cols)`` holding a pair with one document and
+    key <= query, over every pair (positions past the sequence hold none)."""
+    S = len(seg)
+    n = 0
+    for q0 in q_starts:
+        for k0 in k_starts:
+            q = np.arange(q0, min(q0 + rows, S))[:, None]
+            k = np.arange(k0, min(k0 + cols, S))[None, :]
+            n += bool(((seg[q] == seg[k]) & (k <= q)).any())
+    return n
+
+
+@pytest.mark.parametrize("lens", [[100, 250, 162], [512], [1, 127, 129, 255]])
+def test_listed_tiles_are_the_tiles_with_a_visible_pair(lens):
+    S = sum(lens)
+    seg = np.asarray(packed.packed_ids(lens, S))
+    for rows, cols, transpose in ((128, 128, False), (128, 64, True)):
+        bq, bk = (cols, rows) if transpose else (rows, cols)
+        want = _brute_tiles(seg, range(0, S, bq), range(0, S, bk), bq, bk)
+        assert tile_waste.listed_tiles(seg, rows, cols, transpose) == want
+
+
+@pytest.mark.parametrize("lens", [[100, 250, 162], [512], [1, 127, 129, 255]])
+def test_per_document_tiles_start_at_each_document(lens):
+    for bq, bk in ((128, 128), (64, 128), (128, 64)):
+        want = 0
+        for n in lens:  # one document alone, tiles from its first token
+            seg = np.zeros(n, np.int32)
+            want += _brute_tiles(seg, range(0, n, bq), range(0, n, bk), bq, bk) * bq * bk
+        assert tile_waste.per_document_pairs(lens, bq, bk) == want
+
+
+def test_main_writes_the_ratios(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert tile_waste.main(["--seq", "2048", "--doc-mean", "300"]) == 0
+    res = json.loads((tmp_path / "tile_waste_2048_300.json").read_text())
+    lens = packed.lognormal_lengths(300, 2048, seed=2048 + 300)
+    assert res["useful_pairs"] == sum(n * (n + 1) // 2 for n in lens)
+    for k in ("forward", "backward"):
+        assert res[k]["aligned"] > 1 and res[k]["per_document"] > 1
+    assert res["forward"]["tile"] == [128, 128] and res["backward"]["tile"] == [64, 128]
+    assert "per document" in capsys.readouterr().out
