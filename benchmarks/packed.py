@@ -110,6 +110,20 @@ def lognormal_lengths(mean: int, S: int, seed: int, sigma: float = 0.6):
     return [n for n in lens if n > 0]
 
 
+def round_lengths(lens, S: int, multiple: int):
+    """``lens`` each rounded to a multiple of ``multiple`` (at least one), the last ones
+    cut or lengthened so that they fill ``S`` (a multiple of ``multiple``) again: the same
+    mix with every document starting on a tile boundary (``--round-docs``)."""
+    if S % multiple:
+        raise ValueError(f"round_lengths: S={S} is not a multiple of {multiple}")
+    out = [max(multiple, multiple * round(n / multiple)) for n in lens]
+    while sum(out) > S:
+        out[-1] -= min(out[-1], sum(out) - S)
+        out = [n for n in out if n > 0]
+    out[-1] += S - sum(out)
+    return out
+
+
 def packed_ids(lens, S):
     """Segment ids ``[S]`` of documents of ``lens`` (cut at ``S``) from position 0."""
     lens = list(lens)
@@ -393,11 +407,15 @@ def run_bench(args, on_gpu, sizes):
         q, k, v, do = _inputs(S, 1, S, S, H, H, D)
         if on_gpu and S >= 131072 and elapsed() < args.budget_s:
             rows.append(large_check(fns["packed auto"][0], q, k, v, do, S))
-        for mean in means:
+        mixes = [(m, r) for m in means for r in [0] + ([args.round_docs] if args.round_docs
+                                                      else [])]
+        for mean, rnd in mixes:
             if elapsed() > args.budget_s:
                 print(f"bench S={S} docs~{mean}: skipped (time budget)", flush=True)
                 continue
             lens = lognormal_lengths(mean, S, seed=S + mean)
+            if rnd:  # the same mix, each document from a multiple of rnd
+                lens = round_lengths(lens, S, rnd)
             seg = jnp.asarray(packed_ids(lens, S)[None])
             useful = 3.5 * 2 * H * D * useful_pairs(np.asarray(seg[0]))
             full = 3.5 * 2 * H * D * float(S) ** 2
@@ -431,7 +449,8 @@ def run_bench(args, on_gpu, sizes):
             for n in names:
                 t = np.array(ts[n])
                 flops = useful if fns[n][1] else full
-                row = dict(S=S, doc_mean=mean, docs=len(lens), useful_share=useful / full,
+                row = dict(S=S, doc_mean=mean, doc_round=rnd, docs=len(lens),
+                           useful_share=useful / full,
                            name=n, ms=1e3 * float(np.median(t)), rounds=len(t),
                            tflops=flops / float(np.median(t)) / 1e12,
                            useful_tflops=useful / float(np.median(t)) / 1e12)
@@ -451,7 +470,8 @@ def run_bench(args, on_gpu, sizes):
                     if base in dev:  # the same ratio on the device's own time
                         row["useful_vs_cudnn_device"] = (useful / dev[n]) / (full / dev[base])
                 rows.append(row)
-                print(f"bench S={S:6d} docs~{mean:5d} ({len(lens):3d}, useful "
+                print(f"bench S={S:6d} docs~{mean:5d}{f' r{rnd}' if rnd else ''} "
+                      f"({len(lens):3d}, useful "
                       f"{100 * useful / full:4.1f}%) {n:22s} {row['ms']:8.2f} ms  "
                       f"{row['tflops']:6.1f} TFLOP/s"
                       + (f"  useful/cuDNN {100 * row['useful_vs_cudnn_rate']:5.1f}%  "
@@ -622,7 +642,8 @@ def table(result):
               f"{'TFLOP/s':>8s} {'useful/cuDNN':>12s} {'speedup':>8s} {'sustained':>10s} "
               f"{'(useful/cuDNN)':>14s} {'device ms':>10s} {'(useful/cuDNN)':>14s}")
         for r in bench:
-            print(f"{r['S']:6d} {r['doc_mean']:6d} {r['docs']:4d} {100 * r['useful_share']:5.1f}% "
+            docs = f"{r['doc_mean']}" + ("r" if r.get("doc_round") else "")
+            print(f"{r['S']:6d} {docs:>6s} {r['docs']:4d} {100 * r['useful_share']:5.1f}% "
                   f"{r['name']:22s} {r['ms']:9.2f} {r['tflops']:8.1f} "
                   + (f"{100 * r['useful_vs_cudnn_rate']:11.1f}% {r['speedup_vs_cudnn']:7.2f}x"
                      if "useful_vs_cudnn_rate" in r else " " * 21)
@@ -646,7 +667,8 @@ def plot(rows, path):
     if plt is None or not rows:
         return
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['S'] // 1024}k/{r['doc_mean']}\n{r['name']}" for r in rows]
+    labels = [f"{r['S'] // 1024}k/{r['doc_mean']}{'r' if r.get('doc_round') else ''}"
+              f"\n{r['name']}" for r in rows]
     ax.bar(range(len(rows)), [r["tflops"] for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
     ax.set_ylabel("TFLOP/s (packed: useful)")
@@ -678,6 +700,9 @@ def main(argv=None):
     p.add_argument("--train-need-s", type=float, default=110.0,
                    help="the train phase starts only with this much of the budget left "
                         "(two compilations of the 1B step)")
+    p.add_argument("--round-docs", type=int, default=0,
+                   help="bench also times each mix with its documents rounded to this "
+                        "multiple (every document on a tile boundary; 0: off)")
     p.add_argument("--mgpu-variant", action="append", default=[],
                    help="NAME:field=value,...: bench also times the packed call through "
                         "pallas_mgpu with these MgpuConfig fields replaced (Hopper only)")

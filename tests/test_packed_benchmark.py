@@ -23,6 +23,18 @@ def test_documents_fill_the_sequence_and_count_their_work():
     assert packed.useful_pairs(seg) == sum(n * n for n in lens)
 
 
+def test_rounded_documents_start_on_tile_boundaries_and_fill_the_sequence():
+    lens = packed.lognormal_lengths(4096, 65536, seed=65536 + 4096)
+    got = packed.round_lengths(lens, 65536, 128)
+    assert sum(got) == 65536 and all(n % 128 == 0 and n >= 128 for n in got)
+    assert len(got) == len(lens)  # this mix keeps its documents
+    assert max(abs(a - b) for a, b in zip(got[:-1], lens[:-1])) <= 64
+    assert packed.round_lengths([10, 10, 300], 256, 128) == [128, 128]  # cut to fill S
+    assert packed.round_lengths([10], 512, 128) == [512]           # lengthened
+    with pytest.raises(ValueError, match="multiple of 128"):
+        packed.round_lengths([10], 300, 128)
+
+
 def test_check_cases_read_one_global_segment_array():
     """A tile's two sides take their ids from one packed sequence, at their positions."""
     for name, (causal, qp, kp, qs, ks) in packed.check_cases(64).items():
