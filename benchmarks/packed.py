@@ -32,7 +32,10 @@ failures, and each starts only while the time budget allows):
   device times (first kernel's start to last kernel's end of each synchronised call)
   leave out the host's dispatch and round trip that the wall clock adds to every call
   (``device ms``, and the bar's ratio on them: the issue's bar is a rate, so it is read
-  on these; RESULTS.md, "fourth pass").  Useful TFLOP/s count the within-document causal
+  on these; RESULTS.md, "fourth pass"; the JSON's ``device_kernels``: each call's
+  kernels in launch order, median ms).  ``--round-docs N``: each mix is timed again with
+  its documents rounded to multiples of N, so none straddles a tile.  Useful TFLOP/s
+  count the within-document causal
   FLOPs,
   ``3.5 * 2 * H * D * sum(L^2)`` (FlashAttention's convention: half of ``4 H D L^2``
   forward, the backward 2.5x); the unpacked calls are counted on their own causal FLOPs.
@@ -443,7 +446,9 @@ def run_bench(args, on_gpu, sizes):
                     ts[n].append(time.perf_counter() - t0)
             base = "unpacked cudnn direct" if "unpacked cudnn direct" in ts else "unpacked auto"
             calls = {n: (ok[n], (q, k, v, do, seg)) for n in names}
-            dev = device_rounds(calls, args.device_rounds if on_gpu else 0, seed=S + mean)
+            kernels = {}  # each call's kernels in launch order, median ms over the rounds
+            dev = device_rounds(calls, args.device_rounds if on_gpu else 0, seed=S + mean,
+                                per_kernel=kernels)
             sus = sustained_rounds(calls, args.sustained_rounds, args.sustained_ms,
                                    {n: np.median(ts[n]) for n in names}, seed=S + mean)
             for n in names:
@@ -465,6 +470,8 @@ def run_bench(args, on_gpu, sizes):
                                                             / (full / sus[base]["ms"]))
                 if n in agree:
                     row["vs_packed_auto"] = agree[n]
+                if kernels.get(n):  # the packed calls' kernels (the Hopper kernels by name)
+                    row["device_kernels"] = [(k[:60], ms) for k, ms in kernels[n]]
                 if n in dev:
                     row["device_ms"] = dev[n]
                     if base in dev:  # the same ratio on the device's own time

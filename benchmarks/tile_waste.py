@@ -21,6 +21,7 @@ lengths around ``--doc-mean``, seeded as there)::
 
     python benchmarks/tile_waste.py                        # 64k tokens, documents ~4k
     python benchmarks/tile_waste.py --seq 16384 --doc-mean 4096
+    python benchmarks/tile_waste.py --round-docs 128     # every document on a boundary
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax_seqpar.kernels.pallas_common import tile_lists
 from jax_seqpar.kernels.pallas_mgpu import DEFAULT_MGPU_CONFIGS
 from jax_seqpar.masks import MaskSpec
 from _util import out_dir
-from packed import lognormal_lengths, packed_ids
+from packed import lognormal_lengths, packed_ids, round_lengths
 
 
 def useful_causal_pairs(lens) -> int:
@@ -92,17 +93,23 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=65536)
     p.add_argument("--doc-mean", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--round-docs", type=int, default=0,
+                   help="documents rounded to this multiple, as packed.py --round-docs")
     args = p.parse_args(argv)
     S, mean = args.seq, args.doc_mean
     lens = lognormal_lengths(mean, S, seed=S + mean)  # the bar's documents (packed.py)
+    if args.round_docs:
+        lens = round_lengths(lens, S, args.round_docs)
     res = waste(lens, S, args.head_dim)
-    print(f"S={S} documents~{mean}: {res['documents']} documents, "
+    print(f"S={S} documents~{mean}{f' rounded to {args.round_docs}' if args.round_docs else ''}"
+          f": {res['documents']} documents, "
           f"{res['useful_pairs']:,} useful pairs")
     for k in ("forward", "backward"):
         r = res[k]
         print(f"  {k:8s} tiles {r['tile'][0]}x{r['tile'][1]} (queries x keys): computed / "
               f"useful {r['aligned']:.4f} as listed, {r['per_document']:.4f} per document")
-    path = os.path.join(out_dir(), f"tile_waste_{S}_{mean}.json")
+    path = os.path.join(out_dir(), f"tile_waste_{S}_{mean}"
+                        + (f"_r{args.round_docs}" if args.round_docs else "") + ".json")
     with open(path, "w") as fh:
         json.dump(res, fh, indent=1)
     print(f"wrote {path}")

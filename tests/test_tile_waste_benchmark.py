@@ -57,3 +57,8 @@ def test_main_writes_the_ratios(tmp_path, monkeypatch, capsys):
         assert res[k]["aligned"] > 1 and res[k]["per_document"] > 1
     assert res["forward"]["tile"] == [128, 128] and res["backward"]["tile"] == [64, 128]
     assert "per document" in capsys.readouterr().out
+    # documents on tile boundaries: the lists' tiles are the per-document ones
+    assert tile_waste.main(["--seq", "2048", "--doc-mean", "300", "--round-docs", "128"]) == 0
+    res = json.loads((tmp_path / "tile_waste_2048_300_r128.json").read_text())
+    for k in ("forward", "backward"):
+        assert res[k]["aligned"] == pytest.approx(res[k]["per_document"])
