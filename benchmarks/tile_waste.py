@@ -6,14 +6,17 @@ The forward's CTA holds ``2 * block_q`` query rows and steps over key blocks of
 ``block_kv``; the fused backward's CTA holds ``2 * block_kv_bwd`` keys and steps over
 query blocks of ``block_q_bwd`` (``pallas_mgpu_fwd`` / ``pallas_mgpu_bwd``, the lists of
 ``pallas_common.tile_lists``).  Every listed tile costs its whole ``rows x cols`` pairs.
-Two numbers per kernel:
+Three numbers per kernel:
 
 * ``aligned``: the tiles of the lists themselves, blocks on multiples of the block size
   (what the kernels run);
 * ``per document``: the same tile shapes laid from each document's first token, so no
   tile holds two documents (a document's last blocks are partial, and cost whole
   tiles).  A document of ``L`` tokens with query blocks of ``r`` and key blocks of ``c``
-  costs ``sum_i r c (floor((min(L, (i + 1) r) - 1) / c) + 1)``.
+  costs ``sum_i r c (floor((min(L, (i + 1) r) - 1) / c) + 1)``;
+* ``steps per document``: the blocks as now, only the streamed steps laid from each
+  document's first token (no partial stores needed, but a block that holds two
+  documents walks both).
 
 Both are given as computed pairs over useful pairs (a causal document of ``L`` tokens
 has ``L (L + 1) / 2``), on the bar's documents (``benchmarks/packed.py``: log-normal
@@ -71,6 +74,28 @@ def per_document_pairs(lens, q_block: int, k_block: int) -> int:
     return total
 
 
+def streamed_per_document_pairs(lens, S: int, cta: int, step: int, keys_held: bool) -> int:
+    """Pairs computed with the CTAs' blocks on multiples of ``cta`` (as now) and their
+    streamed steps of ``step`` laid from each document's first token: a block that holds
+    two documents walks each one's steps.  ``keys_held``: the backward's walk (a block
+    of keys, query steps from the block's first key to the document's end); else the
+    forward's (a block of queries, key steps from the document's start)."""
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    ends = np.cumsum(lens)
+    total = 0
+    for b0 in range(0, S, cta):
+        for s, e in zip(starts, ends):
+            lo, hi = max(b0, s), min(b0 + cta, e)
+            if lo >= hi:
+                continue
+            if keys_held:
+                n = (e - 1 - s) // step - (lo - s) // step + 1
+            else:
+                n = (hi - 1 - s) // step + 1
+            total += n * cta * step
+    return int(total)
+
+
 def waste(lens, S: int, head_dim: int = 128) -> dict:
     """Computed over useful pairs for the forward and the fused backward's tiles."""
     cfg = DEFAULT_MGPU_CONFIGS[head_dim]
@@ -83,9 +108,13 @@ def waste(lens, S: int, head_dim: int = 128) -> dict:
     return dict(
         seq=S, documents=len(lens), useful_pairs=useful,
         forward=dict(tile=[fwd_r, fwd_c], aligned=fwd / useful,
-                     per_document=per_document_pairs(lens, fwd_r, fwd_c) / useful),
+                     per_document=per_document_pairs(lens, fwd_r, fwd_c) / useful,
+                     steps_per_document=streamed_per_document_pairs(
+                         lens, S, fwd_r, fwd_c, False) / useful),
         backward=dict(tile=[bwd_c, bwd_r], aligned=bwd / useful,
-                      per_document=per_document_pairs(lens, bwd_c, bwd_r) / useful))
+                      per_document=per_document_pairs(lens, bwd_c, bwd_r) / useful,
+                      steps_per_document=streamed_per_document_pairs(
+                          lens, S, bwd_r, bwd_c, True) / useful))
 
 
 def main(argv=None) -> int:
@@ -107,7 +136,8 @@ def main(argv=None) -> int:
     for k in ("forward", "backward"):
         r = res[k]
         print(f"  {k:8s} tiles {r['tile'][0]}x{r['tile'][1]} (queries x keys): computed / "
-              f"useful {r['aligned']:.4f} as listed, {r['per_document']:.4f} per document")
+              f"useful {r['aligned']:.4f} as listed, {r['per_document']:.4f} per document, "
+              f"{r['steps_per_document']:.4f} with only the steps per document")
     path = os.path.join(out_dir(), f"tile_waste_{S}_{mean}"
                         + (f"_r{args.round_docs}" if args.round_docs else "") + ".json")
     with open(path, "w") as fh:

@@ -14,16 +14,20 @@ import packed  # noqa: E402
 import tile_waste  # noqa: E402
 
 
-def _brute_tiles(seg, q_starts, k_starts, rows, cols):
-    """Tiles ``[q0, q0 + rows) x [k0, k0 + cols)`` holding a pair with one document and
-    key <= query, over every pair (positions past the sequence hold none)."""
+def _brute_tiles(seg, q_starts, k_starts, rows, cols, doc=None):
+    """Tiles ``[q0, q0 + rows) x [k0, k0 + cols)`` holding a pair with one document (or
+    document ``doc`` alone) and key <= query, over every pair (positions past the
+    sequence hold none)."""
     S = len(seg)
     n = 0
     for q0 in q_starts:
         for k0 in k_starts:
             q = np.arange(q0, min(q0 + rows, S))[:, None]
             k = np.arange(k0, min(k0 + cols, S))[None, :]
-            n += bool(((seg[q] == seg[k]) & (k <= q)).any())
+            ok = (seg[q] == seg[k]) & (k <= q)
+            if doc is not None:
+                ok &= seg[q] == doc
+            n += bool(ok.any())
     return n
 
 
@@ -45,6 +49,21 @@ def test_per_document_tiles_start_at_each_document(lens):
             seg = np.zeros(n, np.int32)
             want += _brute_tiles(seg, range(0, n, bq), range(0, n, bk), bq, bk) * bq * bk
         assert tile_waste.per_document_pairs(lens, bq, bk) == want
+
+
+@pytest.mark.parametrize("lens", [[100, 250, 162], [512], [1, 127, 129, 255]])
+def test_steps_per_document_walk_each_document_of_a_block(lens):
+    S = sum(lens)
+    seg = np.asarray(packed.packed_ids(lens, S))
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    for cta, step, keys_held in ((128, 128, False), (128, 64, True)):
+        want = 0
+        for d, s0 in enumerate(starts):  # steps of this document from its first token
+            steps = range(s0, S, step)
+            q, k = ((steps, range(0, S, cta)) if keys_held else (range(0, S, cta), steps))
+            bq, bk = (step, cta) if keys_held else (cta, step)
+            want += _brute_tiles(seg, q, k, bq, bk, doc=d) * cta * step
+        assert tile_waste.streamed_per_document_pairs(lens, S, cta, step, keys_held) == want
 
 
 def test_main_writes_the_ratios(tmp_path, monkeypatch, capsys):
