@@ -6,7 +6,7 @@ The forward's CTA holds ``2 * block_q`` query rows and steps over key blocks of
 ``block_kv``; the fused backward's CTA holds ``2 * block_kv_bwd`` keys and steps over
 query blocks of ``block_q_bwd`` (``pallas_mgpu_fwd`` / ``pallas_mgpu_bwd``, the lists of
 ``pallas_common.tile_lists``).  Every listed tile costs its whole ``rows x cols`` pairs.
-Three numbers per kernel:
+Four numbers per kernel:
 
 * ``aligned``: the tiles of the lists themselves, blocks on multiples of the block size
   (what the kernels run);
@@ -16,7 +16,11 @@ Three numbers per kernel:
   costs ``sum_i r c (floor((min(L, (i + 1) r) - 1) / c) + 1)``;
 * ``steps per document``: the blocks as now, only the streamed steps laid from each
   document's first token (no partial stores needed, but a block that holds two
-  documents walks both).
+  documents walks both);
+* ``halves per document``: each CTA's two consumer blocks (64 rows each) paired within a
+  document (``half_block_ctas``), so that every consumer stores a whole block of its own
+  or nothing; a document's last CTA may hold one block, counted at its own pairs or at a
+  whole CTA's.
 
 Both are given as computed pairs over useful pairs (a causal document of ``L`` tokens
 has ``L (L + 1) / 2``), on the bar's documents (``benchmarks/packed.py``: log-normal
@@ -96,6 +100,43 @@ def streamed_per_document_pairs(lens, S: int, cta: int, step: int, keys_held: bo
     return int(total)
 
 
+def half_block_ctas(lens, S: int, half: int, keys_held: bool):
+    """CTAs of two ``half``-row blocks (one per consumer) paired within each document:
+    a half that holds two documents belongs to the later one when the CTA holds keys
+    (the backward: its keys of the earlier document see few queries) and to the earlier
+    one when it holds queries (the forward).  A document's last CTA may hold one half.
+    Returns ``[(first row, number of halves)]``."""
+    seg = np.asarray(packed_ids(lens, S))
+    owner = seg[np.arange(S // half) * half + (half - 1 if keys_held else 0)]
+    ctas, h = [], 0
+    while h < len(owner):
+        two = h + 1 < len(owner) and owner[h + 1] == owner[h]
+        ctas.append((h * half, 2 if two else 1))
+        h += 2 if two else 1
+    return ctas
+
+
+def half_block_pairs(lens, S: int, half: int, step: int, keys_held: bool) -> tuple:
+    """Pairs computed by ``half_block_ctas``' CTAs, steps of ``step`` on multiples of it
+    (as the lists'): ``(each half costing its own pairs, a one-half CTA costing two)``."""
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    ends = np.cumsum(lens)
+    own = two = 0
+    for r0, n in half_block_ctas(lens, S, half, keys_held):
+        r1 = r0 + n * half
+        steps = set()
+        for s, e in zip(starts, ends):
+            lo, hi = max(r0, s), min(r1, e)
+            if lo >= hi:
+                continue
+            first, last = (lo // step, (e - 1) // step) if keys_held else (s // step,
+                                                                            (hi - 1) // step)
+            steps.update(range(first, last + 1))
+        own += len(steps) * step * half * n
+        two += len(steps) * step * half * 2
+    return int(own), int(two)
+
+
 def waste(lens, S: int, head_dim: int = 128) -> dict:
     """Computed over useful pairs for the forward and the fused backward's tiles."""
     cfg = DEFAULT_MGPU_CONFIGS[head_dim]
@@ -110,11 +151,15 @@ def waste(lens, S: int, head_dim: int = 128) -> dict:
         forward=dict(tile=[fwd_r, fwd_c], aligned=fwd / useful,
                      per_document=per_document_pairs(lens, fwd_r, fwd_c) / useful,
                      steps_per_document=streamed_per_document_pairs(
-                         lens, S, fwd_r, fwd_c, False) / useful),
+                         lens, S, fwd_r, fwd_c, False) / useful,
+                     halves_per_document=[x / useful for x in half_block_pairs(
+                         lens, S, fwd_r // 2, fwd_c, False)]),
         backward=dict(tile=[bwd_c, bwd_r], aligned=bwd / useful,
                       per_document=per_document_pairs(lens, bwd_c, bwd_r) / useful,
                       steps_per_document=streamed_per_document_pairs(
-                          lens, S, bwd_r, bwd_c, True) / useful))
+                          lens, S, bwd_r, bwd_c, True) / useful,
+                      halves_per_document=[x / useful for x in half_block_pairs(
+                          lens, S, bwd_r // 2, bwd_c, True)]))
 
 
 def main(argv=None) -> int:
@@ -137,7 +182,9 @@ def main(argv=None) -> int:
         r = res[k]
         print(f"  {k:8s} tiles {r['tile'][0]}x{r['tile'][1]} (queries x keys): computed / "
               f"useful {r['aligned']:.4f} as listed, {r['per_document']:.4f} per document, "
-              f"{r['steps_per_document']:.4f} with only the steps per document")
+              f"{r['steps_per_document']:.4f} with only the steps per document, "
+              f"{r['halves_per_document'][0]:.4f}-{r['halves_per_document'][1]:.4f} with "
+              f"halves paired per document")
     path = os.path.join(out_dir(), f"tile_waste_{S}_{mean}"
                         + (f"_r{args.round_docs}" if args.round_docs else "") + ".json")
     with open(path, "w") as fh:

@@ -66,6 +66,29 @@ def test_steps_per_document_walk_each_document_of_a_block(lens):
         assert tile_waste.streamed_per_document_pairs(lens, S, cta, step, keys_held) == want
 
 
+@pytest.mark.parametrize("lens", [[100, 250, 162], [512], [1, 127, 129, 255]])
+def test_halves_paired_per_document(lens):
+    S = sum(lens)
+    seg = np.asarray(packed.packed_ids(lens, S))
+    for half, step, keys_held in ((64, 128, False), (64, 64, True)):
+        ctas = tile_waste.half_block_ctas(lens, S, half, keys_held)
+        rows = [r for r0, n in ctas for r in range(r0, r0 + n * half)]
+        assert rows == list(range(S))  # every row in one CTA, in order
+        for r0, n in ctas:  # a CTA's halves belong to one document
+            ends = [r0 + half - 1, r0 + n * half - 1] if keys_held else [r0, r0 + half]
+            assert len({seg[min(i, S - 1)] for i in ends[:n]}) == 1
+        own = two = 0
+        for r0, n in ctas:
+            live = range(r0, r0 + n * half)
+            bq, bk = (step, n * half) if keys_held else (n * half, step)
+            q, k = ((range(0, S, step), [r0]) if keys_held else ([r0], range(0, S, step)))
+            t = _brute_tiles(seg, q, k, bq, bk)
+            assert live  # (rows past S hold no pair in _brute_tiles)
+            own += t * step * half * n
+            two += t * step * half * 2
+        assert tile_waste.half_block_pairs(lens, S, half, step, keys_held) == (own, two)
+
+
 def test_main_writes_the_ratios(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     assert tile_waste.main(["--seq", "2048", "--doc-mean", "300"]) == 0
