@@ -274,8 +274,8 @@ def test_forward_and_dq_launch_documents_together(doc_order, monkeypatch):
     for segs in ([SDS((1, T), jnp.int32)] * 2, []):
         calls.clear()
         _traced(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
-                                                    config=cfg, tile=TILE_ALIGNED),
-                 q, kv, kv, *pos, *segs)
+                                                   config=cfg, tile=TILE_ALIGNED),
+                q, kv, kv, *pos, *segs)
         _traced(lambda q, k, v, o, lse, do, a, b, *s: mgpu_bwd(
             q, k, v, o, lse, do, a, b, mask, 0.1, *s, config=cfg),
             q, kv, kv, q, SDS((1, 2, T), jnp.float32), q, *pos, *segs)
