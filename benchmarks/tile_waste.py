@@ -78,14 +78,19 @@ def per_document_pairs(lens, q_block: int, k_block: int) -> int:
     return total
 
 
+def _bounds(lens):
+    """Each document's first row and the row after its last."""
+    ends = np.cumsum(lens)
+    return ends - np.asarray(lens), ends
+
+
 def streamed_per_document_pairs(lens, S: int, cta: int, step: int, keys_held: bool) -> int:
     """Pairs computed with the CTAs' blocks on multiples of ``cta`` (as now) and their
     streamed steps of ``step`` laid from each document's first token: a block that holds
     two documents walks each one's steps.  ``keys_held``: the backward's walk (a block
     of keys, query steps from the block's first key to the document's end); else the
     forward's (a block of queries, key steps from the document's start)."""
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    ends = np.cumsum(lens)
+    starts, ends = _bounds(lens)
     total = 0
     for b0 in range(0, S, cta):
         for s, e in zip(starts, ends):
@@ -119,8 +124,7 @@ def half_block_ctas(lens, S: int, half: int, keys_held: bool):
 def half_block_pairs(lens, S: int, half: int, step: int, keys_held: bool) -> tuple:
     """Pairs computed by ``half_block_ctas``' CTAs, steps of ``step`` on multiples of it
     (as the lists'): ``(each half costing its own pairs, a one-half CTA costing two)``."""
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    ends = np.cumsum(lens)
+    starts, ends = _bounds(lens)
     own = two = 0
     for r0, n in half_block_ctas(lens, S, half, keys_held):
         r1 = r0 + n * half
