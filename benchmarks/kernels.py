@@ -124,6 +124,9 @@ CHECK_CASES = {
     # documents of ~256 tokens: whole key blocks in one document as well as cut ones,
     # so the backward's every mask class runs (MgpuConfig.mask_classes)
     "segments_long": (1, 768, 768, 4, 2, "contiguous", True, None, True),
+    # documents of ~1.4k tokens: past pallas_mgpu_docs.ANCHOR_TOKENS, so doc_blocks_bwd
+    # lays blocks from their first tokens (rarely multiples of 8) and stores partial ones
+    "segments_regions": (2, 4096, 4096, 4, 2, "contiguous", True, None, True),
 }
 
 

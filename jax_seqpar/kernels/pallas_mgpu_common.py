@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd")
+               "early_exit", "doc_order_bwd", "doc_blocks_bwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +194,11 @@ class MgpuConfig:
     the wall clock -0.2 to -2.3, inside that clock's spread); the H200's D 128 segments
     entry takes it.  The two-kernel dK/dV kernel, grouped by document from the segment
     ids, read 0.5-2.5% slower on 2026-11-28; it was not measured with this order.
+    ``doc_blocks_bwd`` (the fused kernel of ``row_scores``, with segment ids and
+    ``segment_skip``): its key blocks and query steps are laid from each long document's
+    first token (``pallas_mgpu_docs``) instead of on multiples of their size, so no tile
+    holds the end of one document and the start of the next; a CTA stores only its live
+    rows of dK and dV, and its lists launch by document (``doc_order_bwd``'s order).
     """
 
     block_q: int = 64
@@ -224,6 +229,7 @@ class MgpuConfig:
     early_dq: bool = True
     early_exit: bool = True
     doc_order_bwd: bool = False
+    doc_blocks_bwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -239,6 +245,9 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.persistent=True runs its producer as a warpgroup "
                              "(its loop over items is a while loop, which Mosaic GPU does "
                              "not lower in a single warp); set warp_producer=False")
+        if self.doc_blocks_bwd and not self.row_scores:
+            raise ValueError("MgpuConfig.doc_blocks_bwd=True needs row_scores=True (only the "
+                             "fused backward lays its blocks per document)")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")
