@@ -516,7 +516,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         classes_dkdv = bool(seg_kw) and config.mask_classes
     docs = config.doc_blocks_bwd and config.row_scores and bool(seg_kw)
     if docs:  # blocks from each document's first token (pallas_mgpu_docs)
-        tbl_t, order_t = doc_tile_lists(mask, q_pos, kv_pos, *segs, Tq, Tk, bq, 2 * bk)
+        tbl_t, order_t = doc_tile_lists(mask, q_pos, kv_pos, *segs, Tq, Tk, bq, 2 * bk,
+                                        anchor=config.doc_anchor_bwd)
         # a step's rows and a CTA's keys may run one block past the padded ends
         q_pos, kv_pos = _pad_to(q_pos, 1, Lq + bq, edge=True), _pad_to(kv_pos, 0, Lk + 2 * bk,
                                                                        edge=True)

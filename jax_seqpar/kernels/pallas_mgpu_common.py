@@ -199,6 +199,8 @@ class MgpuConfig:
     first token (``pallas_mgpu_docs``) instead of on multiples of their size, so no tile
     holds the end of one document and the start of the next; a CTA stores only its live
     rows of dK and dV, and its lists launch by document (``doc_order_bwd``'s order).
+    ``doc_anchor_bwd``: the tokens a document needs to have its own blocks (the others
+    join the blocks before them); it bounds the extra CTAs to one per that many tokens.
     """
 
     block_q: int = 64
@@ -230,6 +232,7 @@ class MgpuConfig:
     early_exit: bool = True
     doc_order_bwd: bool = False
     doc_blocks_bwd: bool = False
+    doc_anchor_bwd: int = 1024
 
     def __post_init__(self):
         for name in BOOL_FIELDS:

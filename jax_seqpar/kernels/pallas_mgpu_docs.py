@@ -36,8 +36,9 @@ from jax import lax
 from jax_seqpar.kernels.pallas_common import MASK_CLASSES, partition_tiles
 from jax_seqpar.masks import MaskSpec
 
-#: A run of equal segment ids at least this long starts a region of its own.  It bounds
-#: the extra CTAs (one per region) to ``L // ANCHOR_TOKENS + 1``.
+#: A run of equal segment ids at least this long starts a region of its own (the
+#: default of ``MgpuConfig.doc_anchor_bwd``).  It bounds the extra CTAs (one per region)
+#: to ``L // ANCHOR_TOKENS + 1``.
 ANCHOR_TOKENS = 1024
 #: A block's loads start on a multiple of this many rows: Mosaic GPU tiles a swizzled
 #: shared-memory block by 8 rows and gives a TMA copy's global index the same tiling.
