@@ -23,9 +23,10 @@ backward's key blocks (``2 * block_kv_bwd`` keys a CTA) and its query steps
 
 A tile-list row is ``[count, n_full, entries..., first, lo << 8 | hi, c2, c3, c4]``: the
 ``pallas_common.tile_lists(classes=True)`` layout with the key block's rows (``doc_blocks``)
-before the class starts, and each entry a query step (``pack_entry``).  On the
-bar's documents the backward's tiles hold 1.0347 computed pairs per useful pair
-instead of 1.0535 (``benchmarks/tile_waste.py``, "per document").
+before the class starts, and each entry a query step (``pack_entry``).  On the bar's
+documents (64k tokens, around 4k each) the lists hold 1.0364 computed pairs per useful
+pair instead of 1.0535 (``benchmarks/tile_waste.py``); the kernel ran 3.5% slower on
+one H200 all the same (RESULTS.md, "The fused backward's blocks laid per document").
 """
 
 from __future__ import annotations

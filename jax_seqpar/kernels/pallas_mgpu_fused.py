@@ -117,7 +117,8 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             pair = seg == "pair"
             qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
             extra = None
-            if docs and pair:  # keys the CTA loads but does not own
+            if docs and pair:  # keys the CTA loads but does not own (as a row vector
+                # broadcast, ptxas spilled more: 380 bytes a thread against 284)
                 col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + row0
                 extra = (col >= keys[0]) & (col < keys[1])
             return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
@@ -128,8 +129,12 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             j = hh * count + t
             slot = lax.rem(j, jnp.int32(stages))
             par = lax.rem(j, jnp.int32(2))
-            start, *own = step_rows(tbl_ref[b, blk, t + 2], bq, docs)
-            w_own = step_index(wg, start)  # descriptors formed in the step: no spills
+            token = tbl_ref[b, blk, t + 2]
+            start, *own = step_rows(token, bq, docs)
+            # descriptors formed in the step: no spills.  (From the entry as loaded: the
+            # row a pallas_mgpu_docs entry holds is a logical shift, so the compiler knows
+            # it is not negative, folded the test and spilled 1.3 KB a thread: RESULTS.md)
+            w_own = step_index(wg, token)
             kt, vt = k_smem.at[w_own], v_smem.at[w_own]
             pt = p_smem.at[w_own]
             plgpu.barrier_wait(q_ready.at[slot])
