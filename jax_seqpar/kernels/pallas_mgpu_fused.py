@@ -133,7 +133,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             start, *own = step_rows(token, bq, docs)
             # descriptors formed in the step: no spills.  (From the entry as loaded: the
             # row a pallas_mgpu_docs entry holds is a logical shift, so the compiler knows
-            # it is not negative, folded the test and spilled 1.3 KB a thread: RESULTS.md)
+            # it is not negative, folded the test and spilled 1.3-1.5 KB a thread: RESULTS.md)
             w_own = step_index(wg, token)
             kt, vt = k_smem.at[w_own], v_smem.at[w_own]
             pt = p_smem.at[w_own]

@@ -290,11 +290,11 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     carry, hh, mode) -> (dk, dv)``.
 
     ``docs`` (``MgpuConfig.doc_blocks_bwd``): the lists are ``pallas_mgpu_docs``'s, so a
-    CTA's keys start at the row its list row names and only those before its live end
-    are stored (``store_live_rows``); ``make_step`` also gets ``keys=`` the first and
-    the end of the rows the CTA owns, and the
-    last of ``extra_smem`` must be a ``plgpu.RefUnion`` whose second member is the
-    unswizzled ``[2, bk, D]`` stage, each consumer's half over its own dQ block."""
+    CTA's keys start at the row its list row names and only the rows it owns are stored
+    (``store_live_rows`` for a consumer that owns some of its rows); ``make_step`` also
+    gets ``keys=``, the first and the end of those rows, and the last of ``extra_smem``
+    must be a ``plgpu.RefUnion`` whose second member is the unswizzled ``[2, bk, D]``
+    stage, each consumer's half over its own dQ block."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
