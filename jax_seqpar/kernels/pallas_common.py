@@ -223,12 +223,31 @@ def tile_lists(mask: MaskSpec, q_pos, kv_pos, Tk: int, bq: int, bk: int, has_seg
         return jnp.concatenate([count[..., None], n_full[..., None], order], axis=-1)
     k_lo_seg, k_hi_seg = block_ranges(kv_seg, bk)
     k_one = (k_lo_seg == k_hi_seg)[:, None, :]               # [B, 1, nk]
-    group = jnp.where(full, 0, 1 + jnp.where(k_one, 0, 2) + jnp.where(pos_full, 0, 1))
+    group = class_groups(full, k_one, pos_full)
     if transpose:
         vis, group = jnp.swapaxes(vis, 1, 2), jnp.swapaxes(group, 1, 2)
+    order, ends = class_order(vis, group)
+    return class_rows(ends, order)
+
+
+def class_groups(full, k_one, pos_full):
+    """Each tile's group for ``class_order``: 0 fully visible, then ``MASK_CLASSES``'
+    order (``k_one``: the key block is one document, so its segment test folds;
+    ``pos_full``: positions prove every pair visible)."""
+    return jnp.where(full, 0, 1 + jnp.where(k_one, 0, 2) + jnp.where(pos_full, 0, 1))
+
+
+def class_order(vis, group):
+    """``(order, ends)``: each row's visible columns by group (``partition_tiles``) and
+    the end of each of the ``1 + len(MASK_CLASSES)`` groups."""
     order, counts = partition_tiles(vis, group, 1 + len(MASK_CLASSES))
-    starts = jnp.cumsum(counts, -1, dtype=jnp.int32)          # ends of groups 0..4
-    return jnp.concatenate([starts[..., -1:], starts[..., :1], order, starts[..., 1:4]],
+    return order, jnp.cumsum(counts, -1, dtype=jnp.int32)
+
+
+def class_rows(ends, entries):
+    """A class-sorted tile-list row: ``[count, n_full, entries..., c2, c3, c4]`` (the
+    layout ``masked_loops`` reads), from ``class_order``'s group ends."""
+    return jnp.concatenate([ends[..., -1:], ends[..., :1], entries, ends[..., 1:4]],
                            axis=-1)
 
 

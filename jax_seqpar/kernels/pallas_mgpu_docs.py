@@ -34,7 +34,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels.pallas_common import MASK_CLASSES, partition_tiles
+from jax_seqpar.kernels.pallas_common import class_groups, class_order, class_rows
+from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
 from jax_seqpar.masks import MaskSpec
 
 #: A run of equal segment ids at least this long starts a region of its own (the
@@ -119,7 +120,6 @@ def doc_tile_lists(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, Tq: int, Tk: in
     segment test is the query's (folded into its lse); else ``"pair"``, which also
     tests each key's row against the block's live end.  ``anchor``: ``ANCHOR_TOKENS``
     (smaller in tests)."""
-    from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
     B = q_seg.shape[0]
     kv_pos = jnp.broadcast_to(jnp.asarray(kv_pos, jnp.int32), (B, kv_seg.shape[1]))
     q_pos = jnp.asarray(q_pos, jnp.int32)
@@ -143,15 +143,11 @@ def doc_tile_lists(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, Tq: int, Tk: in
     q_one = (qb[1] == 0) & (qb[2] == bq) & (qg[0] == qg[1])
     pos_full = jnp.broadcast_to(pos_all, shape) & K(k_whole)
     full = pos_full & K(k_one) & Q(q_one) & (K(kg[0]) == Q(qg[0])) & vis
-    group = jnp.where(full, 0, 1 + jnp.where(K(k_one), 0, 2) + jnp.where(pos_full, 0, 1))
-    order, counts = partition_tiles(vis, group, 1 + len(MASK_CLASSES))
-    ends = jnp.cumsum(counts, -1, dtype=jnp.int32)
-    by_index = jnp.concatenate([ends[..., -1:], ends[..., :1], order, ends[..., 1:4]], -1)
-    launch = doc_cta_order(by_index, last=True, classes=True)
+    order, ends = class_order(vis, class_groups(full, K(k_one), pos_full))
+    launch = doc_cta_order(class_rows(ends, order), last=True, classes=True)
     flat = order.reshape(B, -1)
     step = pack_entry(*(jnp.take_along_axis(x, flat, 1) for x in qb)).reshape(order.shape)
-    tbl = jnp.concatenate([ends[..., -1:], ends[..., :1], step, K(kb[0]),
-                           K(kb[1] << 8 | kb[2]), ends[..., 1:4]], -1)
+    tbl = class_rows(ends, jnp.concatenate([step, K(kb[0]), K(kb[1] << 8 | kb[2])], -1))
     return tbl.astype(jnp.int32), launch
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    compiler_params, on_producer_warps,
                                                    row_loops, traced)
+from jax_seqpar.kernels.pallas_mgpu_docs import ALIGN, cta_fields, entry_rows
 
 
 def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
@@ -66,7 +67,6 @@ def step_rows(entry, bq: int, docs: bool):
     owned), or (``docs``) a ``pallas_mgpu_docs`` entry's."""
     import jax.experimental.pallas as pl
     if docs:
-        from jax_seqpar.kernels.pallas_mgpu_docs import ALIGN, entry_rows
         first, lo, hi = entry_rows(entry)
         return pl.multiple_of(first, ALIGN), lo, hi
     return entry * bq, 0, bq
@@ -79,7 +79,6 @@ def cta_rows(tbl_ref, b, blk, bk: int, docs: bool):
     import jax.experimental.pallas as pl
     if not docs:
         return blk * (2 * bk), 0, 2 * bk
-    from jax_seqpar.kernels.pallas_mgpu_docs import ALIGN, cta_fields
     n = tbl_ref.shape[-1]
     first, lo, hi = cta_fields(tbl_ref[b, blk, n - 5], tbl_ref[b, blk, n - 4])
     return pl.multiple_of(first, ALIGN), lo, hi
