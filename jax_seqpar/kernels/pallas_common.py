@@ -237,18 +237,17 @@ def class_groups(full, k_one, pos_full):
     return jnp.where(full, 0, 1 + jnp.where(k_one, 0, 2) + jnp.where(pos_full, 0, 1))
 
 
-def class_order(vis, group, n_groups: int = 1 + len(MASK_CLASSES)):
+def class_order(vis, group):
     """``(order, ends)``: each row's visible columns by group (``partition_tiles``) and
-    the end of each of the ``n_groups`` groups (fully visible, then each mask class)."""
-    order, counts = partition_tiles(vis, group, n_groups)
+    the end of each of the ``1 + len(MASK_CLASSES)`` groups."""
+    order, counts = partition_tiles(vis, group, 1 + len(MASK_CLASSES))
     return order, jnp.cumsum(counts, -1, dtype=jnp.int32)
 
 
 def class_rows(ends, entries):
     """A class-sorted tile-list row: ``[count, n_full, entries..., c2, c3, c4]`` (the
-    layout ``masked_loops`` reads; a class start more per mask class past the four),
-    from ``class_order``'s group ends."""
-    return jnp.concatenate([ends[..., -1:], ends[..., :1], entries, ends[..., 1:-1]],
+    layout ``masked_loops`` reads), from ``class_order``'s group ends."""
+    return jnp.concatenate([ends[..., -1:], ends[..., :1], entries, ends[..., 1:4]],
                            axis=-1)
 
 

@@ -462,7 +462,7 @@ def cta_order(tbl):
     return jnp.argsort(-tbl[..., 0], axis=1, stable=True).astype(jnp.int32)
 
 
-def doc_cta_order(tbl, last: bool = False, classes: bool = False, n_classes: int = 4):
+def doc_cta_order(tbl, last: bool = False, classes: bool = False):
     """(``MgpuConfig.doc_order``) A launch order of query blocks that keeps each
     document's blocks together, from the tile lists alone: a block's document is the
     first key block it sees (its smallest list entry; a packed document's query blocks
@@ -472,7 +472,7 @@ def doc_cta_order(tbl, last: bool = False, classes: bool = False, n_classes: int
     they compute.  ``last`` (``MgpuConfig.doc_order_bwd``, transposed lists, rows of key
     blocks): a row's document is the last query block it sees (its largest entry),
     which a causal document's key blocks share.  ``classes``: the lists were built with
-    ``tile_lists(classes=True)``, or with ``n_classes`` mask classes (``class_rows``).
+    ``tile_lists(classes=True)``.
 
     A row's groups (fully visible, then each mask class) are each in increasing order,
     so its smallest entry is the smallest of its groups' first entries and its largest
@@ -483,9 +483,8 @@ def doc_cta_order(tbl, last: bool = False, classes: bool = False, n_classes: int
     import jax
     B, n, width = tbl.shape
     count = tbl[..., 0]
-    if classes:  # group ends: f, the class starts after the first, c
-        starts = tbl[..., width - (n_classes - 1):]
-        ends = jnp.concatenate([tbl[..., 1:2], starts, tbl[..., :1]], -1)
+    if classes:  # group ends: f, the three class starts, c
+        ends = jnp.concatenate([tbl[..., 1:2], tbl[..., -3:], tbl[..., :1]], -1)
     else:
         ends = tbl[..., 1::-1]  # f, c
     begins = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], -1)
@@ -588,24 +587,21 @@ def step_index(index, token, enabled: bool = True):
     return jnp.where(token >= 0, index, 0) if enabled else index
 
 
-def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry,
-                 modes=None):
+def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry):
     """The masked part of a tile-list row: ``carry = run(lo, hi, mode, carry)`` over each
     class's entries ``lo .. hi`` with ``mode = (position test?, segment test)`` (see
-    ``pallas_common.MASK_CLASSES``, or ``modes`` where the lists have other classes), or
-    over all of them with the full test when the lists have no classes (segment test
-    ``"pair"``, or None without segment ids).
-    The class starts are the row's last ``len(modes) - 1`` entries, which ``tile_lists``
-    keeps in order between ``n_full`` and ``count`` (a CPU test checks it): a row whose
-    classes covered more entries than ``count`` would make the consumers wait forever
-    for ring slots the producer never fills."""
+    ``pallas_common.MASK_CLASSES``), or over all of them with the full test when the
+    lists have no classes (segment test ``"pair"``, or None without segment ids).
+    The class starts are the row's last three entries, which ``tile_lists`` keeps in
+    order between ``n_full`` and ``count`` (a CPU test checks it): a row whose classes
+    covered more entries than ``count`` would make the consumers wait forever for ring
+    slots the producer never fills."""
     from jax_seqpar.kernels.pallas_common import MASK_CLASSES
     if not classes:
         return run(n_full, count, (True, "pair" if has_seg else None), carry)
-    modes = MASK_CLASSES if modes is None else modes
-    n, k = tbl_ref.shape[-1], len(modes) - 1
-    bounds = [n_full] + [tbl_ref[b, row, n - k + i] for i in range(k)] + [count]
-    for i, mode in enumerate(modes):
+    n = tbl_ref.shape[-1]
+    bounds = [n_full] + [tbl_ref[b, row, n - 3 + i] for i in range(3)] + [count]
+    for i, mode in enumerate(MASK_CLASSES):
         carry = run(bounds[i], bounds[i + 1], mode, carry)
     return carry
 
@@ -656,10 +652,10 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
 
 
 def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, masked: bool,
-              step, carry, start: int = 0, modes=None):
+              step, carry, start: int = 0):
     """One tile-list row: ``carry = step(t, carry, mode=...)`` over its unmasked entries,
-    then (``masked``) over each mask class's (``masked_loops``, with ``modes``); ``start``:
-    entries before it are left out (run by the caller), whichever loop they belong to."""
+    then (``masked``) over each mask class's (``masked_loops``); ``start``: entries before
+    it are left out (run by the caller), whichever loop they belong to."""
     from jax import lax
     first = (lambda lo: lo) if start == 0 else (lambda lo: jnp.maximum(lo, start))
     carry = lax.fori_loop(start, n_full, functools.partial(step, mode=None), carry)
@@ -668,5 +664,5 @@ def row_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, mask
             tbl_ref, b, row, n_full, count, has_seg, classes,
             lambda lo, hi, mode, carry: lax.fori_loop(
                 first(lo), hi, functools.partial(step, mode=mode), carry),
-            carry, modes)
+            carry)
     return carry

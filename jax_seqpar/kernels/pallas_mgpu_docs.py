@@ -21,20 +21,12 @@ backward's key blocks (``2 * block_kv_bwd`` keys a CTA) and its query steps
 * the grid has one CTA per key block, at most ``L / size + L // ANCHOR_TOKENS + 1``
   (each region adds at most one partial block), the unused ones empty.
 
-The tests of owned rows and keys run only where they can matter: a tile whose query
-step or key block owns fewer rows than it loads goes to a mask class of its own,
-``"own"`` (``DOC_CLASSES``: the position test, the segment test per pair and both
-ownership tests), after ``MASK_CLASSES``' four, which then carry no code for them.  With
-the tests in every masked class ptxas spilled 284 bytes a thread against the default
-lists' 132, and the kernel ran 3.5% slower on one H200 (RESULTS.md, "The fused
-backward's blocks laid per document").
-
-A tile-list row is ``[count, n_full, entries..., first, lo << 8 | hi, c2, c3, c4, c5]``:
-the ``pallas_common.tile_lists(classes=True)`` layout with the key block's rows
-(``doc_blocks``) before the class starts (one more, for ``"own"``), and each entry a
-query step (``pack_entry``).  On the bar's documents (64k tokens, around 4k each) the
-lists hold 1.0364 computed pairs per useful pair instead of 1.0535
-(``benchmarks/tile_waste.py``).
+A tile-list row is ``[count, n_full, entries..., first, lo << 8 | hi, c2, c3, c4]``: the
+``pallas_common.tile_lists(classes=True)`` layout with the key block's rows (``doc_blocks``)
+before the class starts, and each entry a query step (``pack_entry``).  On the bar's
+documents (64k tokens, around 4k each) the lists hold 1.0364 computed pairs per useful
+pair instead of 1.0535 (``benchmarks/tile_waste.py``); the kernel ran 3.5% slower on
+one H200 all the same (RESULTS.md, "The fused backward's blocks laid per document").
 """
 
 from __future__ import annotations
@@ -42,17 +34,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_seqpar.kernels.pallas_common import (MASK_CLASSES, class_groups, class_order,
-                                              class_rows)
+from jax_seqpar.kernels.pallas_common import class_groups, class_order, class_rows
 from jax_seqpar.kernels.pallas_mgpu_common import doc_cta_order
 from jax_seqpar.masks import MaskSpec
-
-#: The lists' mask classes: ``MASK_CLASSES``, then the tiles whose query step or key
-#: block owns fewer rows than it loads (``"own"``: every test, ownership included).
-DOC_CLASSES = MASK_CLASSES + ((True, "own"),)
-#: Where a list row's key-block fields start, from its end: ``first``, ``lo << 8 | hi``,
-#: then the class starts after the first.
-CTA_FIELDS = 2 + len(DOC_CLASSES) - 1
 
 #: A run of equal segment ids at least this long starts a region of its own (the
 #: default of ``MgpuConfig.doc_anchor_bwd``).  It bounds the extra CTAs (one per region)
@@ -131,11 +115,11 @@ def doc_tile_lists(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, Tq: int, Tk: in
 
     A tile is listed when its live rows may share a document and positions may let a
     pair through; it is fully visible when both blocks are whole (every row live), hold
-    one and the same document and positions prove every pair visible.  Its class
-    (``DOC_CLASSES``) is ``"own"`` when the step or the key block owns fewer rows than
-    it loads; else ``"fold"`` when the key block is one document, so the kernel's only
-    segment test is the query's (folded into its lse); else ``"pair"``.  ``anchor``:
-    ``ANCHOR_TOKENS`` (smaller in tests)."""
+    one and the same document and positions prove every pair visible.  Its class is
+    ``"fold"`` when the key block is whole and one document, so the kernel's only
+    segment test is the query's (folded into its lse); else ``"pair"``, which also
+    tests each key's row against the block's live end.  ``anchor``: ``ANCHOR_TOKENS``
+    (smaller in tests)."""
     B = q_seg.shape[0]
     kv_pos = jnp.broadcast_to(jnp.asarray(kv_pos, jnp.int32), (B, kv_seg.shape[1]))
     q_pos = jnp.asarray(q_pos, jnp.int32)
@@ -155,16 +139,12 @@ def doc_tile_lists(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, Tq: int, Tk: in
     vis = (jnp.broadcast_to(pos_vis, shape) & share & K(kb[2] > kb[1])
            & Q(qb[2] > qb[1]))
     k_whole = (kb[1] == 0) & (kb[2] == bkc)  # (owned rows are below Tk)
-    q_whole = (qb[1] == 0) & (qb[2] == bq)
     k_one = k_whole & (kg[0] == kg[1])
-    q_one = q_whole & (qg[0] == qg[1])
+    q_one = (qb[1] == 0) & (qb[2] == bq) & (qg[0] == qg[1])
     pos_full = jnp.broadcast_to(pos_all, shape) & K(k_whole)
     full = pos_full & K(k_one) & Q(q_one) & (K(kg[0]) == Q(qg[0])) & vis
-    group = jnp.where(K(k_whole) & Q(q_whole), class_groups(full, K(k_one), pos_full),
-                      len(DOC_CLASSES))  # the last class: "own"
-    order, ends = class_order(vis, group, 1 + len(DOC_CLASSES))
-    launch = doc_cta_order(class_rows(ends, order), last=True, classes=True,
-                           n_classes=len(DOC_CLASSES))
+    order, ends = class_order(vis, class_groups(full, K(k_one), pos_full))
+    launch = doc_cta_order(class_rows(ends, order), last=True, classes=True)
     flat = order.reshape(B, -1)
     step = pack_entry(*(jnp.take_along_axis(x, flat, 1) for x in qb)).reshape(order.shape)
     tbl = class_rows(ends, jnp.concatenate([step, K(kb[0]), K(kb[1] << 8 | kb[2])], -1))

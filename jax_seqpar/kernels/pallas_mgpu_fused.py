@@ -65,10 +65,10 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
     ``classes``, or (``docs``: ``MgpuConfig.doc_blocks_bwd``) ``pallas_mgpu_docs``'s
-    lists, whose blocks own part of the rows they load: in their class ``"own"`` a
-    step's other rows get ``P = 0`` (their lse folded to ``+inf``) and the CTA's other
-    keys are masked.  The positions and ids must then run a step (queries) and a CTA
-    (keys) past their padded ends."""
+    lists, whose blocks own part of the rows they load: a step's other rows get ``P = 0``
+    (their lse folded to ``+inf`` in every masked class), and in the ``"pair"`` class the
+    CTA's other keys are masked too.  The positions and ids must then run a step
+    (queries) and a CTA (keys) past their padded ends."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
@@ -94,13 +94,12 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
         def row_lse(lse, start, own, mode):
             """lse, or +inf where P must be 0: (the CTA's keys are one document) for the
-            queries of another document, and (``pallas_mgpu_docs``' class ``"own"``) for
-            the rows the step does not own (``own``: its first and end, from its first
-            row)."""
+            queries of another document, and (``docs``) for the rows the step does not
+            own (``own``: its first and end, from its first row)."""
             if mode is None:
                 return lse
             ok = None
-            if mode[1] == "own":
+            if docs:
                 r = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=ROW)
                 ok = (r >= own[0]) & (r < own[1])
             if mode[1] == "fold":
@@ -115,10 +114,10 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 return None
             pos, seg = mode
             qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], ROW) if pos else None
-            pair = seg in ("pair", "own")
+            pair = seg == "pair"
             qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
             extra = None
-            if seg == "own":  # keys the CTA loads but does not own (as a row vector
+            if docs and pair:  # keys the CTA loads but does not own (as a row vector
                 # broadcast, ptxas spilled more: 380 bytes a thread against 284)
                 col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + row0
                 extra = (col >= keys[0]) & (col < keys[1])

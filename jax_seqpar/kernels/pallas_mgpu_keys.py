@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    compiler_params, on_producer_warps,
                                                    row_loops, traced)
-from jax_seqpar.kernels.pallas_mgpu_docs import (ALIGN, CTA_FIELDS, DOC_CLASSES, cta_fields,
-                                                 entry_rows)
+from jax_seqpar.kernels.pallas_mgpu_docs import ALIGN, cta_fields, entry_rows
 
 
 def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
@@ -81,8 +80,7 @@ def cta_rows(tbl_ref, b, blk, bk: int, docs: bool):
     if not docs:
         return blk * (2 * bk), 0, 2 * bk
     n = tbl_ref.shape[-1]
-    first, lo, hi = cta_fields(tbl_ref[b, blk, n - CTA_FIELDS],
-                               tbl_ref[b, blk, n - CTA_FIELDS + 1])
+    first, lo, hi = cta_fields(tbl_ref[b, blk, n - 5], tbl_ref[b, blk, n - 4])
     return pl.multiple_of(first, ALIGN), lo, hi
 
 
@@ -234,18 +232,16 @@ def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, 
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
-                    masked: bool, step, shape, docs: bool = False):
+                    masked: bool, step, shape):
     """A consumer's dK and dV (``shape``, float32, from zero) after ``step(t, carry, hh=,
-    mode=)`` over its tile-list row for each of the ``g`` query heads of the group
-    (``docs``: a ``pallas_mgpu_docs`` row, its classes ``DOC_CLASSES``)."""
+    mode=)`` over its tile-list row for each of the ``g`` query heads of the group."""
     import functools
     from jax import lax
     plgpu = _plgpu()
 
     def head(hh, carry):
         return row_loops(tbl_ref, b, blk, n_full, count, has_seg, classes, masked,
-                         functools.partial(step, hh=hh), carry,
-                         modes=DOC_CLASSES if docs else None)
+                         functools.partial(step, hh=hh), carry)
     zero = plgpu.layout_cast(jnp.full(shape, 0.0, F32), plgpu.Layout.WGMMA)
     return lax.fori_loop(0, g, head, (zero, zero))
 
@@ -323,7 +319,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
             step = traced("step")(make_step(refs, scoped, cta, row0, kw, **keys))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
-                                         classes, masked, step, (bk, D), docs)
+                                         classes, masked, step, (bk, D))
             with jax.named_scope("out"):
                 if split:
                     ds_ready_once_more(free[2], g, count)
