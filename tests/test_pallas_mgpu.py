@@ -430,7 +430,8 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
          dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False,
               dv_with_dp=False),
          dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False,
-              doc_order_bwd=True, doc_blocks_bwd=True)]
+              doc_order_bwd=True, doc_blocks_bwd=True),
+         dict(atomic_dq=True, split_dq=True, row_scores=True, tma_zero_dq=True)]
         if D >= 128 else [])
     if not seg:  # every variant's masked code lowers in the packed case; here the
         # tables' picks (mgpu_tuned.json: H100, H200, D 64) and the default
@@ -449,8 +450,42 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
         bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
             q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=c), q, kv, kv, q, lse, q,
             *pos, *segs)
-        # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand)
-        assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == (1 if atomic else 2)
+        # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand), zeroed by XLA or
+        # (tma_zero_dq) by a kernel of its own
+        want = (1 + c.tma_zero_dq) if atomic else 2
+        assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == want
+
+
+@pytest.mark.parametrize("shape,rows", [((1, 1024, 4, 128), 128), ((2, 640, 3, 128), 128),
+                                        ((1, 192, 5, 64), 64), ((1, 256, 4, 64), 256)])
+def test_tma_zeros_lower_to_one_loop_of_stores(shape, rows, monkeypatch):
+    """``MgpuConfig.tma_zero_dq``'s zeros: one Mosaic GPU kernel whose CTAs store a zeroed
+    shared-memory block with TMA in a loop (a smaller block where the rows do not divide
+    into 64 KiB ones), and shapes it cannot cover refused, naming the shape.  Its values
+    are checked on a GPU (``benchmarks/zeros_gpu.py``: every element 0 where the
+    allocator last held NaNs)."""
+    from jax_seqpar.kernels import pallas_mgpu_bwd
+    modules = _mosaic_modules(monkeypatch)
+    blocks = []
+    real = pallas_mgpu_bwd._plgpu
+
+    class Spy:  # the scratch block's shape, as the kernel asks for it
+        def __getattr__(self, name):
+            attr = getattr(real(), name)
+            if name != "SMEM":
+                return attr
+            return lambda shape, *a, **k: blocks.append(shape) or attr(shape, *a, **k)
+    monkeypatch.setattr(pallas_mgpu_bwd, "_plgpu", Spy)
+    after = SDS((shape[0], shape[2], shape[1]), jnp.float32)
+    txt = _lowered(lambda a: pallas_mgpu_bwd.tma_zeros(shape, a), after)
+    assert txt.count("custom_call @mosaic_gpu") == 1 and len(modules) == 1
+    assert blocks == [(rows, shape[-1])]
+    mod = modules[0]
+    assert mod.count("scf.for") == 1
+    assert "nvvm.cp.async.bulk.tensor.global.shared" in mod
+    assert "nvvm.cp.async.bulk.wait_group" in mod
+    with pytest.raises(ValueError, match=r"shape \(1, 3, 7, 128\)"):
+        _lowered(lambda a: pallas_mgpu_bwd.tma_zeros((1, 3, 7, 128), a), after)
 
 
 @pytest.mark.parametrize("seg,skip,want", [(True, True, True), (True, False, False),

@@ -481,6 +481,54 @@ def zeroed_dq(shape, after):
     return jnp.broadcast_to(zero, shape)
 
 
+#: Rows of the shared-memory block a ``tma_zeros`` CTA stores from (64 KiB at D 128),
+#: the CTAs per SM, and the stores a CTA keeps in flight.
+ZERO_BLOCK_BYTES, ZERO_CTAS_PER_SM, ZERO_IN_FLIGHT = 64 * 1024, 2, 4
+
+
+def tma_zeros(shape, after):
+    """(``MgpuConfig.tma_zero_dq``) Float32 zeros of ``shape`` ``[..., D]`` from a Mosaic
+    GPU kernel: each CTA zeroes one block of ``ZERO_BLOCK_BYTES`` in shared memory and
+    stores it with TMA over every ``n``-th block of rows of the output seen as ``[rows,
+    D]`` (a block of fewer rows, down to 64, where the rows do not divide), with
+    ``ZERO_IN_FLIGHT`` stores at a time (the block is never written again, so the waits
+    only bound the queue).  ``after`` (this call's delta) is an operand the kernel
+    does not read: it orders the zeros after it and keeps the calls of a program apart,
+    as ``zeroed_dq``'s barrier does."""
+    import jax.experimental.pallas as pl
+    from jax_seqpar.kernels.pallas_mgpu_sched import sm_count
+    plgpu = _plgpu()
+    D = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    rows = max(64, ZERO_BLOCK_BYTES // (4 * D))
+    while rows > 64 and n_rows % rows:
+        rows //= 2
+    if D % 32 or n_rows % rows:
+        raise ValueError(f"tma_zeros: shape {shape} needs a last dim that is a multiple of "
+                         f"32 and rows (the product of the others) a multiple of 64")
+    n_blocks = n_rows // rows
+    n_ctas = min(n_blocks, ZERO_CTAS_PER_SM * sm_count())
+    swz = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    def body(after_ref, out_ref, smem):
+        del after_ref
+        smem[...] = plgpu.layout_cast(jnp.full((rows, D), 0.0, F32), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+
+        @pl.loop(lax.axis_index("cta"), n_blocks, step=n_ctas)
+        def _(i):
+            plgpu.wait_smem_to_gmem(ZERO_IN_FLIGHT - 1, wait_read_only=True)
+            plgpu.copy_smem_to_gmem(smem, out_ref.at[pl.ds(pl.multiple_of(i * rows, rows),
+                                                           rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+    (after,), (out_type,) = kernel_io([after], [((n_rows, D), F32)])
+    out = plgpu.kernel(body, out_type=out_type, grid=(n_ctas,), grid_names=("cta",),
+                       scratch_types=[plgpu.SMEM((rows, D), F32, transforms=swz)],
+                       compiler_params=compiler_params())(after)
+    return out.reshape(shape)
+
+
 def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q_seg=None,
              kv_seg=None, delta=None, *, config: MgpuConfig):
     """``(dq, dk, dv)`` in float32, shapes of ``q, k, v``; see the module docstring."""
@@ -529,7 +577,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv)
                    if config.doc_order_bwd and has_seg else cta_order(tbl_t))
     if config.atomic_dq:
-        dq_acc = jax.new_ref(zeroed_dq((B, Lq, Hq, D), dl))
+        dq_acc = jax.new_ref((tma_zeros if config.tma_zero_dq else zeroed_dq)(
+            (B, Lq, Hq, D), dl))
         args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,

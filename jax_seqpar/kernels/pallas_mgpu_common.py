@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "doc_blocks_bwd")
+               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +205,10 @@ class MgpuConfig:
     documents at 64k its lists hold 1.6% fewer tiles, and the kernel took 8.92 ms
     against 8.62 (ptxas spills 284 bytes a thread against 132: the tests of the rows a
     block owns), so off (RESULTS.md, "The fused backward's blocks laid per document").
+    ``tma_zero_dq`` (the atomic-dQ kernels): the float32 dQ they add into is zeroed by a
+    Mosaic GPU kernel of TMA stores from one zeroed shared-memory block per CTA
+    (``pallas_mgpu_bwd.tma_zeros``) instead of by XLA's broadcast kernel, which wrote
+    the bar's 512 MiB at about 3.4 TB/s where cuDNN's memset of its own dQ reached 4.5.
     """
 
     block_q: int = 64
@@ -237,6 +241,7 @@ class MgpuConfig:
     doc_order_bwd: bool = False
     doc_blocks_bwd: bool = False
     doc_anchor_bwd: int = 1024
+    tma_zero_dq: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
