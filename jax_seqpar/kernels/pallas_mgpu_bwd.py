@@ -467,8 +467,9 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
 
 # --------------------------------------------------------------------------- driver
 def zeroed_dq(shape, after):
-    """The zeroed float32 dQ that the atomic-dQ kernels add into, made from a zero that
-    an ``optimization_barrier`` ties to ``after`` (this call's delta).  From a constant,
+    """(``MgpuConfig.tma_zero_dq=False``; ``tma_zeros`` otherwise) The zeroed float32 dQ
+    that the atomic-dQ kernels add into, made from a zero that an
+    ``optimization_barrier`` ties to ``after`` (this call's delta).  From a constant,
     XLA merged the zeros of every call in a program into one multi-output broadcast,
     which allocates all of them at once: a 7B step at 128k tokens (32 layers, three
     calls each) asked for 114 GiB of temporaries instead of 54 (RESULTS.md, "auto on

@@ -205,12 +205,15 @@ class MgpuConfig:
     documents at 64k its lists hold 1.6% fewer tiles, and the kernel took 8.92 ms
     against 8.62 (ptxas spills 284 bytes a thread against 132: the tests of the rows a
     block owns), so off (RESULTS.md, "The fused backward's blocks laid per document").
+    Moving those tests into a mask class of their own made it worse (376 bytes; RESULTS.md,
+    "dQ zeroed by TMA stores; the ownership tests as a class of their own").
     ``tma_zero_dq`` (the atomic-dQ kernels; on): the float32 dQ they add into is zeroed
     by a Mosaic GPU kernel of TMA stores from one zeroed shared-memory block per CTA
     (``pallas_mgpu_bwd.tma_zeros``) instead of by XLA's broadcast kernel (``zeroed_dq``).
     On one H200 (2026-12-03) the bar's 512 MiB took 0.126 ms against 0.159 (4.26 against
-    3.38 TB/s; cuDNN's memset of its own dQ, 4.5), 0.033 against 0.041 ms at 16k
-    (``benchmarks/zeros_gpu.py``, which also checks every element).
+    3.38 TB/s), 0.033 against 0.041 ms at 16k (``benchmarks/zeros_gpu.py``, which also
+    checks every element); the whole packed call read level (RESULTS.md, "dQ zeroed by
+    TMA stores").
     """
 
     block_q: int = 64
