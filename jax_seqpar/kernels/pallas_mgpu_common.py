@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq", "dq_signal")
+               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +214,6 @@ class MgpuConfig:
     3.38 TB/s), 0.033 against 0.041 ms at 16k (``benchmarks/zeros_gpu.py``, which also
     checks every element); the whole packed call read level (RESULTS.md, "dQ zeroed by
     TMA stores").
-    ``dq_signal`` (trial, off; the fused backward, ``row_scores``): after each step's dQ
-    reduce-add, a consumer waits for the one issued two steps before to have completed
-    (``cp.async.bulk.wait_group 2``, no warpgroup barrier) and arrives on a shared-memory
-    barrier of its own, which nothing waits on: what the consumers would add if a warp of
-    the producer converted each finished dQ block inside the kernel (the signal it would
-    wait for), so that its cost can be timed alone (RESULTS.md, "The bar's glue").
     """
 
     block_q: int = 64
@@ -253,7 +247,6 @@ class MgpuConfig:
     doc_blocks_bwd: bool = False
     doc_anchor_bwd: int = 1024
     tma_zero_dq: bool = True
-    dq_signal: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -272,9 +265,6 @@ class MgpuConfig:
         if self.doc_blocks_bwd and not self.row_scores:
             raise ValueError("MgpuConfig.doc_blocks_bwd=True needs row_scores=True (only the "
                              "fused backward lays its blocks per document)")
-        if self.dq_signal and (not self.row_scores or self.doc_blocks_bwd):
-            raise ValueError("MgpuConfig.dq_signal=True is a trial of the fused backward: it "
-                             "needs row_scores=True and doc_blocks_bwd=False")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")

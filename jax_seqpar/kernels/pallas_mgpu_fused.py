@@ -58,28 +58,6 @@ from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel
 from jax_seqpar.masks import MaskSpec
 
 
-#: (``MgpuConfig.dq_signal``) Barriers per consumer in the trial's ring.
-SIGNAL_SLOTS = 8
-
-
-def dq_done_signal(done, wg, j) -> None:
-    """(``MgpuConfig.dq_signal``, a trial) After step ``j``'s dQ reduce-add: wait until at
-    most the last two of this thread's bulk copies are in flight, so step ``j - 2``'s has
-    completed (``cp.async.bulk.wait_group 2``, without the warpgroup barrier that
-    ``plgpu.wait_smem_to_gmem`` adds: the thread that issued the copies is the one that
-    arrives), then arrive on slot ``j % SIGNAL_SLOTS`` of the consumer's ring in ``done``:
-    the signal a converter warp would wait for before counting the block's additions."""
-    from jax._src.lib.mlir.dialects import nvvm
-    plgpu = _plgpu()
-
-    @plgpu.inline_mgpu()
-    def wait_two(_ctx):
-        nvvm.cp_async_bulk_wait_group(2, read=False)
-
-    wait_two()
-    plgpu.barrier_arrive(done.at[wg * SIGNAL_SLOTS + lax.rem(j, jnp.int32(SIGNAL_SLOTS))])
-
-
 def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
                *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
                classes: bool = False, docs: bool = False):
@@ -103,9 +81,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     def make_step(refs, scoped, cta, row0, kw, keys=None):
         (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
          qseg_ref, kvseg_ref, dq_ref, _, _) = refs
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem,
-         *signal), (kv_ready, q_ready, do_ready, lse_ready, dl_ready), \
-            (q_free, do_free, ds_ready) = scoped
+        (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
+            (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
+            = scoped
         if docs:  # dQ's halves share their memory with the stores' stage
             dq_smem = list(dq_smem)[0]
         b, kvh, blk, wg, count, n_full = cta
@@ -243,8 +221,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 with jax.named_scope("back"):
                     dk, _ = pl.run_state(back)((plgpu.ACC.init(dk), plgpu.ACC.init(zq)))
                     plgpu.barrier_arrive(q_free.at[slot])
-                if signal:
-                    dq_done_signal(signal[0], wg, j)
                 return dk, dv
 
             def back(refs):
@@ -256,8 +232,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 plgpu.barrier_arrive(q_free.at[slot])
             with jax.named_scope("red"):
                 reduce_add_dq(dq_smem.at[wg], dq, dq_dst)
-            if signal:
-                dq_done_signal(signal[0], wg, j)
             return dk, dv
 
         return step
@@ -275,8 +249,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     extra = (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
              plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
              dq_halves)                                            # dQ halves
-    if config.dq_signal:  # (trial) a barrier ring per consumer that nothing waits on
-        extra += (plgpu.Barrier(num_arrivals=1, num_barriers=2 * SIGNAL_SLOTS),)
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
         dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
