@@ -70,7 +70,6 @@ from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel
                                                  reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_docs import doc_tile_lists
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
-from jax_seqpar.kernels.pallas_mgpu_halves import halves_tile_lists, pad_spare, spare_id
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
 
@@ -565,14 +564,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     if config.row_scores:  # the fused kernel, scores by row: classes as the dQ kernel's
         classes_dkdv = bool(seg_kw) and config.mask_classes
     docs = config.doc_blocks_bwd and config.row_scores and bool(seg_kw)
-    halves = config.halves_bwd and config.row_scores and bool(seg_kw)
-    if halves:  # consumer blocks paired within documents, a spare block after the keys
-        spare, allow = spare_id(*segs)
-        kv_pos, kv_spare = pad_spare(kv_pos, segs[1], spare, bk)
-        segs = (segs[0], kv_spare)
-        tbl_t, order_t = halves_tile_lists(mask, q_pos, kv_pos, *segs, Tk, bq, bk,
-                                           anchor=config.doc_anchor_bwd, allow=allow)
-    elif docs:  # blocks from each document's first token (pallas_mgpu_docs)
+    if docs:  # blocks from each document's first token (pallas_mgpu_docs)
         tbl_t, order_t = doc_tile_lists(mask, q_pos, kv_pos, *segs, Tq, Tk, bq, 2 * bk,
                                         anchor=config.doc_anchor_bwd)
         # a step's rows and a CTA's keys may run one block past the padded ends
@@ -591,8 +583,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
-                                config=config, classes=classes_dkdv or docs or halves,
-                                docs=docs, halves=halves)
+                                config=config, classes=classes_dkdv or docs, docs=docs)
         else:
             dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=pos_masked,
                                 config=config, dq_acc=dq_acc)

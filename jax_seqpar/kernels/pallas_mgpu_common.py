@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq", "halves_bwd")
+               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +214,6 @@ class MgpuConfig:
     3.38 TB/s), 0.033 against 0.041 ms at 16k (``benchmarks/zeros_gpu.py``, which also
     checks every element); the whole packed call read level (RESULTS.md, "dQ zeroed by
     TMA stores").
-    ``halves_bwd`` (the fused backward with segment ids; off): its CTAs' two consumer
-    blocks of ``block_kv_bwd`` keys are paired anew from each document of
-    ``doc_anchor_bwd`` keys or more (``pallas_mgpu_halves``), so that a CTA holds at most
-    one block of the document before its own; a document of an odd number of blocks ends
-    in a CTA of one block, whose other consumer runs on masked spare keys.  Whole blocks
-    only: no partial stores and no tests of owned keys, unlike ``doc_blocks_bwd``.
     """
 
     block_q: int = 64
@@ -253,7 +247,6 @@ class MgpuConfig:
     doc_blocks_bwd: bool = False
     doc_anchor_bwd: int = 1024
     tma_zero_dq: bool = True
-    halves_bwd: bool = False
 
     def __post_init__(self):
         for name in BOOL_FIELDS:
@@ -272,10 +265,6 @@ class MgpuConfig:
         if self.doc_blocks_bwd and not self.row_scores:
             raise ValueError("MgpuConfig.doc_blocks_bwd=True needs row_scores=True (only the "
                              "fused backward lays its blocks per document)")
-        if self.halves_bwd and (not self.row_scores or self.doc_blocks_bwd):
-            raise ValueError("MgpuConfig.halves_bwd=True needs row_scores=True (the fused "
-                             "backward) and doc_blocks_bwd=False (they lay the same blocks "
-                             "two ways)")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")

@@ -60,7 +60,7 @@ from jax_seqpar.masks import MaskSpec
 
 def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
                *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               classes: bool = False, docs: bool = False, halves: bool = False):
+               classes: bool = False, docs: bool = False):
     """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
@@ -68,9 +68,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     lists, whose blocks own part of the rows they load: a step's other rows get ``P = 0``
     (their lse folded to ``+inf`` in every masked class), and in the ``"pair"`` class the
     CTA's other keys are masked too.  The positions and ids must then run a step
-    (queries) and a CTA (keys) past their padded ends.  ``halves``
-    (``MgpuConfig.halves_bwd``): ``pallas_mgpu_halves``' lists, each consumer's keys
-    where its row names them."""
+    (queries) and a CTA (keys) past their padded ends."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
@@ -80,7 +78,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
-    def make_step(refs, scoped, cta, row0, kw, keys=None, first=None):
+    def make_step(refs, scoped, cta, row0, kw, keys=None):
         (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
          qseg_ref, kvseg_ref, dq_ref, _, _) = refs
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
@@ -89,8 +87,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         if docs:  # dQ's halves share their memory with the stores' stage
             dq_smem = list(dq_smem)[0]
         b, kvh, blk, wg, count, n_full = cta
-        if first is None:  # the CTA's first key row (halves: its first consumer's)
-            first = row0 - wg * bk
+        first = row0 - wg * bk  # the CTA's first key row
         if masked:
             kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
             kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
@@ -255,4 +252,4 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
         dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
-        extra_smem=extra, docs=docs, halves=halves)
+        extra_smem=extra, docs=docs)

@@ -129,16 +129,14 @@ def kv_cta(tbl_ref, order_ref, masked: bool):
     return b, kvh, blk, wg, count, n_full
 
 
-def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, first, bk: int, kvh, wg,
-                   row0=None):
+def start_consumer(k_ref, v_ref, k_smem, v_smem, kv_ready, b, first, bk: int, kvh, wg):
     """A consumer warpgroup's start: its registers raised, its own ``bk`` keys' K and V
-    blocks (from the CTA's ``first`` key row on, or from ``row0``) into shared memory,
-    waited for: ``(row0, kw, vw)``, the first key's row and the blocks' views."""
+    blocks (from the CTA's ``first`` key row on) into shared memory, waited for:
+    ``(row0, kw, vw)``, the first key's row and the blocks' views."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     plgpu.set_max_registers(240, action="increase")
-    if row0 is None:
-        row0 = first + wg * bk
+    row0 = first + wg * bk
     kw, vw = k_smem.at[wg], v_smem.at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row0, bk), kvh], kw, kv_ready.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row0, bk), kvh], vw, kv_ready.at[wg])
@@ -273,7 +271,7 @@ def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_a
 
 def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: MgpuConfig,
                          scale: float, masked: bool, classes: bool, split: bool,
-                         extra_smem=(), docs: bool = False, halves: bool = False):
+                         extra_smem=(), docs: bool = False):
     """The key-stationary backward kernel around a consumer's step (dK/dV, fused): each
     CTA's consumers load their K and V blocks (``start_consumer``), run ``step`` over
     their tile-list row for each query head of the group (``key_block_grads``), meet once
@@ -295,12 +293,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     (``store_live_rows`` for a consumer that owns some of its rows); ``make_step`` also
     gets ``keys=``, the first and the end of those rows, and the last of ``extra_smem``
     must be a ``plgpu.RefUnion`` whose second member is the unswizzled ``[2, bk, D]``
-    stage, each consumer's half over its own dQ block.
-
-    ``halves`` (``MgpuConfig.halves_bwd``): the lists are ``pallas_mgpu_halves``'s, whose
-    rows name each consumer's first key row (the spare block's, row ``Lk``, lies past K
-    and V: its TMA loads read zeros and its stores are dropped); ``make_step`` also gets
-    ``first=``, the first consumer's (the CTA's document, where its keys are one)."""
+    stage, each consumer's half over its own dQ block."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
@@ -316,22 +309,13 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
         smem, ready, free = scoped
         cta = b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
         first, klo, khi = cta_rows(tbl_ref, b, blk, bk, docs)
-        own_row, live = None, True
-        if halves:  # each consumer's first key row, from the row's two fields; a row
-            # left over (its first row past the keys) ends at once
-            n = tbl_ref.shape[-1]
-            first = pl.multiple_of(tbl_ref[b, blk, n - 5], bk)
-            own_row = pl.multiple_of(jnp.where(wg == 0, first, tbl_ref[b, blk, n - 4]), bk)
-            live = first < Lk
 
-        @pl.when((wg < 2) & live)
+        @pl.when(wg < 2)
         def _consumer():
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
-                                              first, bk, kvh, wg, row0=own_row)
+                                              first, bk, kvh, wg)
             keys = dict(keys=(first + klo, first + khi)) if docs else {}
-            if halves:
-                keys = dict(first=first)
             step = traced("step")(make_step(refs, scoped, cta, row0, kw, **keys))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
@@ -356,7 +340,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
                         store_live_rows(stage, dk, dv, scale, dtype, dk_ref, dv_ref, b,
                                         row0, kvh, lo, hi, read_only=config.early_exit)
 
-        @pl.when((wg == 2) & live)
+        @pl.when(wg == 2)
         def _producer():
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
                             stages, (refs[2], refs[5], refs[6], refs[7]), scoped, docs)
