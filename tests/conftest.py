@@ -181,6 +181,11 @@ GROUPS = {
     "test_lm_head.py": "lm_head",
     "test_xla_kernel.py": "xla_kernel",
     "test_overlap.py": "overlap",
+    # test_pallas_mgpu.py's cached Mosaic GPU lowerings of the packed-documents case
+    # (``_packed_bwd``): the variant sweep, early_dq and early_exit read the same ones
+    "test_pallas_mgpu.py::test_backward_variant_lowers_on_packed_documents": "mgpu_packed",
+    "test_pallas_mgpu.py::test_fused_backward_early_dq_reduces_beside_dk": "mgpu_packed",
+    "test_pallas_mgpu.py::test_early_exit_ends_on_the_reads": "mgpu_packed",
 }
 
 #: path prefixes of the longest tests (measured with --durations), longest first

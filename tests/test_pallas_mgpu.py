@@ -8,7 +8,9 @@ shared-memory budget, the launch order and the refusals.  Their numerics are che
 an H200 by ``benchmarks/kernels.py --phases check`` (42 of 42 cases, RESULTS.md).
 """
 
+import contextlib
 import dataclasses
+import functools
 import re
 
 import jax
@@ -400,6 +402,106 @@ def _mosaic_modules(monkeypatch):
     return modules
 
 
+@contextlib.contextmanager
+def _collecting_mosaic_modules():
+    """``_mosaic_modules`` for one block, without a test's ``monkeypatch`` (for the cached
+    lowerings below, which outlive the test that made them)."""
+    import jax.experimental.mosaic.gpu.core as mcore
+    modules, serde = [], mcore._run_serde_pass
+
+    def spy(module, *a, **k):
+        modules.append(module.operation.get_asm(enable_debug_info=False))
+        return serde(module, *a, **k)
+    mcore._run_serde_pass = spy
+    try:
+        yield modules
+    finally:
+        mcore._run_serde_pass = serde
+
+
+#: The backward variants that ``test_kernels_lower_for_cuda`` and
+#: ``test_backward_variant_lowers_on_packed_documents`` lower: fields replaced in the
+#: per-dim default; the split-dQ ones need D 128.
+_BWD_VARIANTS = [
+    dict(atomic_dq=False, overlap_bwd=False),
+    dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
+    dict(atomic_dq=True),
+    dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
+    dict(atomic_dq=False, mask_classes=False),
+    dict(atomic_dq=False, mask_classes_dkdv=True),
+    dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True, mask_classes_dkdv=True),
+    dict(atomic_dq=True, warp_producer_bwd=True),
+    dict(atomic_dq=False, step_descriptors=True),
+    dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True, step_descriptors=True)]
+_SPLIT_DQ_VARIANTS = [
+    dict(atomic_dq=True, split_dq=True),
+    dict(atomic_dq=True, split_dq=True, row_scores=True),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False, dv_with_dp=False),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False,
+         doc_order_bwd=True, doc_blocks_bwd=True),
+    dict(atomic_dq=True, split_dq=True, row_scores=True, tma_zero_dq=False)]
+
+
+def _distinct_configs(D, variants):
+    """``{config: its variant}`` for the ``variants`` of ``DEFAULT_MGPU_CONFIGS[D]``, in
+    order; a variant equal to an earlier one (or the default to a variant) once."""
+    out = {}
+    for kw in variants:
+        out.setdefault(dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], **kw), kw)
+    return out
+
+
+def _assert_backward_kernels(txt, c):
+    """dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand), zeroed by XLA or
+    (tma_zero_dq) by a kernel of its own."""
+    want = (1 + c.tma_zero_dq) if c.atomic_dq else 2
+    assert len(re.findall(r"custom_call @mosaic_gpu", txt)) == want
+
+
+#: Packed documents at D 128: GQA (4 query heads, 2 KV), more queries than keys, causal,
+#: segment ids (segment-range tile lists), so every variant runs its masked code.
+_PACKED = dict(B=2, Tq=512, Tk=384, Hq=4, Hkv=2, D=128)
+_PACKED_CONFIGS = _distinct_configs(128, _BWD_VARIANTS + _SPLIT_DQ_VARIANTS)
+
+
+def _packed_bwd(c, seg=True):
+    """``(HLO text, Mosaic GPU module texts)`` of the backward of config ``c`` lowered for
+    CUDA on the ``_PACKED`` shapes (with segment ids unless ``seg=False``).  Cached: the
+    variant sweep and the tests that read one config's kernel text (early_dq,
+    early_exit) lower the same programs, once per process."""
+    return _packed_bwd_cached(c, bool(seg))  # one cache key however ``seg`` is passed
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_bwd_cached(c, seg):
+    B, Tq, Tk, Hq, Hkv, D = (_PACKED[k] for k in ("B", "Tq", "Tk", "Hq", "Hkv", "D"))
+    q, kv = SDS((B, Tq, Hq, D), BF16), SDS((B, Tk, Hkv, D), BF16)
+    pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
+    segs = [SDS((B, Tq), jnp.int32), SDS((B, Tk), jnp.int32)] if seg else []
+    lse = SDS((B, Hq, Tq), jnp.float32)
+    with _collecting_mosaic_modules() as modules:
+        txt = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
+            q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=c),
+            q, kv, kv, q, lse, q, *pos, *segs)
+    return txt, tuple(modules)
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_fwd(c):
+    """The HLO text of the forward of config ``c`` (general tiles) lowered for CUDA on the
+    ``_PACKED`` shapes with segment ids; cached like ``_packed_bwd``, for
+    ``test_kernels_lower_for_cuda`` and ``test_forward_overlap_within_a_consumer``."""
+    B, Tq, Tk, Hq, Hkv, D = (_PACKED[k] for k in ("B", "Tq", "Tk", "Hq", "Hkv", "D"))
+    q, kv = SDS((B, Tq, Hq, D), BF16), SDS((B, Tk, Hkv, D), BF16)
+    pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
+    segs = [SDS((B, Tq), jnp.int32), SDS((B, Tk), jnp.int32)]
+    return _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
+        q, k, v, qp, kp, MaskSpec(causal=True), 0.1, *s, config=c), q, kv, kv, *pos, *segs)
+
+
 @pytest.mark.parametrize("D,Tq,Tk,causal,window,seg", [
     (128, 512, 512, False, None, False),
     (64, 300, 200, True, None, False),     # ragged, GQA
@@ -408,7 +510,9 @@ def _mosaic_modules(monkeypatch):
 ])
 def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     """The forward and both backward kernels trace and lower to Mosaic GPU custom calls:
-    every backward variant on packed documents, the tables' picks on the other cases."""
+    the tables' picks on the first two cases; on packed documents every backward
+    variant, one test each (``test_backward_variant_lowers_on_packed_documents``, split
+    from this one so that the two workers share its ~20 lowerings)."""
     mask = MaskSpec(causal=causal, window=window)
     cfg = DEFAULT_MGPU_CONFIGS[D]
     q, kv = SDS((2, Tq, 4, D), BF16), SDS((2, Tk, 2, D), BF16)
@@ -417,58 +521,37 @@ def test_kernels_lower_for_cuda(D, Tq, Tk, causal, window, seg):
     fwd_cfgs = ([cfg, dataclasses.replace(cfg, overlap_fwd=True)]
                 + ([dataclasses.replace(cfg, mask_classes_fwd=True)] if seg else []))
     # (a variant equal to the default, or to another, is lowered once)
+    packed = (D, Tq, Tk, causal, window, seg) == (128, 512, 384, True, None, True)
     for fcfg in dict.fromkeys(fwd_cfgs):
-        fwd = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s,
-                                                            config=fcfg),
-                       q, kv, kv, *pos, *segs)
+        fwd = _packed_fwd(fcfg) if packed else _lowered(
+            lambda q, k, v, qp, kp, *s: mgpu_fwd(q, k, v, qp, kp, mask, 0.1, *s, config=fcfg),
+            q, kv, kv, *pos, *segs)
         assert fwd.count("mosaic_gpu") >= 1
     if D == 256:
         return  # the backend's backward is the Triton kernel's there
+    if packed:  # its backwards: test_backward_variant_lowers_on_packed_documents
+        return
     lse = SDS((2, 4, Tq), jnp.float32)
-    variants = [dict(atomic_dq=False, overlap_bwd=False),
-                dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=False, dv_with_dp=True),
-                dict(atomic_dq=True),
-                dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
-                dict(atomic_dq=False, mask_classes=False),
-                dict(atomic_dq=False, mask_classes_dkdv=True),
-                dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
-                     mask_classes_dkdv=True),
-                dict(atomic_dq=True, warp_producer_bwd=True),
-                dict(atomic_dq=False, step_descriptors=True),
-                dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True,
-                     step_descriptors=True)] + (
-        [dict(atomic_dq=True, split_dq=True),
-         dict(atomic_dq=True, split_dq=True, row_scores=True),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False,
-              dv_with_dp=False),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False,
-              doc_order_bwd=True, doc_blocks_bwd=True),
-         dict(atomic_dq=True, split_dq=True, row_scores=True, tma_zero_dq=False)]
-        if D >= 128 else [])
-    if not seg:  # every variant's masked code lowers in the packed case; here the
-        # tables' picks (mgpu_tuned.json: H100, H200, D 64) and the default
-        variants = [kw for kw in variants if kw in (
-            dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=True),
-            dict(atomic_dq=True, split_dq=True, row_scores=True),
-            dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False))]
-        variants.append(dict(atomic_dq=cfg.atomic_dq))
-    lowered = set()
-    for kw in variants:
-        atomic = kw["atomic_dq"]
-        c = dataclasses.replace(cfg, **kw)
-        if c in lowered:
-            continue
-        lowered.add(c)
+    # every variant's masked code lowers in the packed case; here the tables' picks
+    # (mgpu_tuned.json: H100, H200, D 64) and the default
+    picks = [kw for kw in _BWD_VARIANTS + (_SPLIT_DQ_VARIANTS if D >= 128 else []) if kw in (
+        dict(atomic_dq=False, overlap_bwd=True), dict(atomic_dq=True),
+        dict(atomic_dq=True, split_dq=True, row_scores=True),
+        dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False))]
+    for c in _distinct_configs(D, picks + [dict(atomic_dq=cfg.atomic_dq)]):
         bwd = _lowered(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
             q, k, v, o, l, do, qp, kp, mask, 0.1, *s, config=c), q, kv, kv, q, lse, q,
             *pos, *segs)
-        # dK/dV and dQ, or dK/dV with dQ added in place (a Ref operand), zeroed by XLA or
-        # (tma_zero_dq) by a kernel of its own
-        want = (1 + c.tma_zero_dq) if atomic else 2
-        assert len(re.findall(r"custom_call @mosaic_gpu", bwd)) == want
+        _assert_backward_kernels(bwd, c)
+
+
+@pytest.mark.parametrize("c", list(_PACKED_CONFIGS), ids=[
+    ",".join(f"{k}={int(v)}" for k, v in kw.items()) for kw in _PACKED_CONFIGS.values()])
+def test_backward_variant_lowers_on_packed_documents(c):
+    """Every backward variant (``_BWD_VARIANTS`` and, at D 128, ``_SPLIT_DQ_VARIANTS``;
+    each distinct config once) lowers on packed documents, where each runs its masked
+    code: the kernels ``_assert_backward_kernels`` names."""
+    _assert_backward_kernels(_packed_bwd(c)[0], c)
 
 
 @pytest.mark.parametrize("shape,rows", [((1, 1024, 4, 128), 128), ((2, 640, 3, 128), 128),
@@ -779,7 +862,10 @@ def test_forward_ping_pong_on_named_barriers():
 def test_forward_overlap_within_a_consumer(tile, causal, seg, D):
     """``overlap_fwd``: a step issues ``S`` and the previous ``P V`` and waits for all but
     the last group (``wait_group 1``); the default forward always waits for all.  Each
-    issue is one ping-pong turn, so both named barriers are synced and arrived on."""
+    issue is one ping-pong turn, so both named barriers are synced and arrived on.  The
+    general tiles with segment ids are the ``_PACKED`` shapes (512 queries, 384 keys),
+    whose two lowerings ``test_kernels_lower_for_cuda`` makes too (``_packed_fwd``);
+    the other cases 384 of each."""
     T = 384
     q, kv = SDS((2, T, 4, D), BF16), SDS((2, T, 2, D), BF16)
     pos = [SDS((T,), jnp.int32)] * 2
@@ -787,6 +873,9 @@ def test_forward_overlap_within_a_consumer(tile, causal, seg, D):
     texts = {}
     for ov in (False, True):
         cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], overlap_fwd=ov)
+        if (tile, causal, seg, D) == (TILE_GENERAL, True, True, 128):
+            texts[ov] = _packed_fwd(cfg)
+            continue
         texts[ov] = _lowered(lambda q, k, v, qp, kp, *s: mgpu_fwd(
             q, k, v, qp, kp, MaskSpec(causal=causal), 0.1, *s, config=cfg, tile=tile),
             q, kv, kv, *pos, *segs)
@@ -996,24 +1085,18 @@ def test_persistent_forward_lowers(T, seg, tile, monkeypatch):
 
 
 @pytest.mark.parametrize("seg", [False, True])
-def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
+def test_fused_backward_early_dq_reduces_beside_dk(seg):
     """``early_dq``: the fused kernel issues its dQ half before dK and waits for the dQ
     products alone (``wgmma.wait_group 1``: dK still in flight) before each step's TMA
-    reduce-add; without it the step waits for both products (``wait_group 0``)."""
-    modules = _mosaic_modules(monkeypatch)
-    T = 512
-    q, kv = SDS((1, T, 2, 128), BF16), SDS((1, T, 2, 128), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
-    lse = SDS((1, 2, T), jnp.float32)
+    reduce-add; without it the step waits for both products (``wait_group 0``).  On the
+    ``_PACKED`` shapes, with and without segment ids: with them both configs are
+    variants of ``test_backward_variant_lowers_on_packed_documents``, whose lowerings
+    (``_packed_bwd``) this test reads."""
     last_wait = {}
     for early in (False, True):
         c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], atomic_dq=True, split_dq=True,
                                 row_scores=True, early_dq=early)
-        _lowered(lambda q, k, v, o, l, do, a, b, *s: mgpu_bwd(
-            q, k, v, o, l, do, a, b, MaskSpec(causal=True), 0.1, *s, config=c),
-            q, kv, kv, q, lse, q, *pos, *segs)
-        text = modules[-1]
+        text = _packed_bwd(c, seg)[1][-1]
         marks = re.findall(r"wgmma\.wait[._]group\.sync\.aligned (\d)|(cp\.reduce\.async\.bulk)",
                            text)
         waits = []  # the wgmma wait right before each reduce-add
@@ -1027,21 +1110,15 @@ def test_fused_backward_early_dq_reduces_beside_dk(seg, monkeypatch):
 
 @pytest.mark.parametrize("kw", [dict(atomic_dq=True, split_dq=True, row_scores=True),
                                 dict(atomic_dq=False)])
-def test_early_exit_ends_on_the_reads(kw, monkeypatch):
+def test_early_exit_ends_on_the_reads(kw):
     """``early_exit`` (the default): the key-stationary backward's CTAs end waiting for
     the reads of their dK/dV stores alone (``wait_group ... read``), not for the writes;
-    off, for the writes."""
-    modules = _mosaic_modules(monkeypatch)
-    T = 512
-    q = SDS((1, T, 2, 128), BF16)
-    pos, segs = [SDS((T,), jnp.int32)] * 2, [SDS((1, T), jnp.int32)] * 2
-    lse, mask = SDS((1, 2, T), jnp.float32), MaskSpec(causal=True)
+    off, for the writes.  On packed documents (``_packed_bwd``: the lowering with
+    ``early_exit`` on is a variant of ``test_backward_variant_lowers_on_packed_documents``)."""
     assert DEFAULT_MGPU_CONFIGS[128].early_exit and DEFAULT_MGPU_CONFIGS[64].early_exit
     for on in (False, True):
         c = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], early_exit=on, **kw)
-        _lowered(lambda q, k, v, o, l, do, a, b, *s: mgpu_bwd(
-            q, k, v, o, l, do, a, b, mask, 0.1, *s, config=c), q, q, q, q, lse, q, *pos,
-            *segs)
+        modules = _packed_bwd(c)[1]
         dkdv = modules[-1] if kw["atomic_dq"] else modules[-2]  # (then the dQ kernel)
         # (" read" in the module's text; " {read}" with JAX 0.10's MLIR)
         last = re.findall(r"cp\.async\.bulk\.wait_group \d+( \{?read\}?)?", dkdv)[-1]
