@@ -1,5 +1,6 @@
 """A defect found on 2026-12-04, kept as its reproduction (GPU only): the Hopper
-backward's key-stationary kernels do not mask the keys padded past ``Tk`` (K and V are
+backward's kernels that add dQ from the key side (the fused one, which the H200's table
+runs, and the atomic-dQ dK/dV kernel) do not mask the keys padded past ``Tk`` (K and V are
 zero there, positions and ids repeat the last key's), so a padded key's
 ``P = exp2(0 - lse2)`` is not zero.  Its dQ term is ``dS * 0`` and vanishes while ``P``
 is finite; for a query row whose log-sum-exp is below about -88 (every score of the row
