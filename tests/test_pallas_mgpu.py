@@ -389,15 +389,23 @@ def _traced(f, *args):
     return jax.jit(f).trace(*args).jaxpr
 
 
-def _mosaic_modules(monkeypatch):
-    """A list that collects the text of every Mosaic GPU module lowered from now on (the
-    kernel's own MLIR, before it is serialised into the custom call)."""
+def _module_spy():
+    """``(modules, spy)``: a list, and a stand-in for Mosaic GPU's serde pass that appends
+    the text of each module it sees (the kernel's own MLIR, before it is serialised into
+    the custom call) to it and then runs the pass."""
     import jax.experimental.mosaic.gpu.core as mcore
     modules, serde = [], mcore._run_serde_pass
 
     def spy(module, *a, **k):
         modules.append(module.operation.get_asm(enable_debug_info=False))
         return serde(module, *a, **k)
+    return modules, spy
+
+
+def _mosaic_modules(monkeypatch):
+    """A list that collects the text of every Mosaic GPU module lowered from now on."""
+    import jax.experimental.mosaic.gpu.core as mcore
+    modules, spy = _module_spy()
     monkeypatch.setattr(mcore, "_run_serde_pass", spy)
     return modules
 
@@ -407,12 +415,8 @@ def _collecting_mosaic_modules():
     """``_mosaic_modules`` for one block, without a test's ``monkeypatch`` (for the cached
     lowerings below, which outlive the test that made them)."""
     import jax.experimental.mosaic.gpu.core as mcore
-    modules, serde = [], mcore._run_serde_pass
-
-    def spy(module, *a, **k):
-        modules.append(module.operation.get_asm(enable_debug_info=False))
-        return serde(module, *a, **k)
-    mcore._run_serde_pass = spy
+    serde = mcore._run_serde_pass
+    modules, mcore._run_serde_pass = _module_spy()
     try:
         yield modules
     finally:
