@@ -635,6 +635,45 @@ def test_backward_per_document_needs_equal_stage_halves():
             *[SDS((1, 512), jnp.int32)] * 2)
 
 
+@pytest.mark.parametrize("D,kw", [
+    (128, dict(atomic_dq=True, split_dq=True, row_scores=True)),  # fused (H200, D 128)
+    (64, dict(atomic_dq=True)),                                   # dK/dV adding dQ
+    (64, dict(atomic_dq=False))])                                 # dK/dV, then dQ
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_masks_keys_padded_past_tk(D, kw, causal, monkeypatch):
+    """Keys padded past ``Tk`` (200, not a multiple of a CTA's 128 keys) are tested
+    against ``Tk`` in every kernel that adds dQ from them, with and without a mask (a
+    dense call runs its masked loop then); with 256 keys none is.  The test's absence
+    put NaN into dQ on an H200 for rows whose lse was below -88
+    (``benchmarks/pad_keys_probe.py`` checks the values on a GPU).  Traced, not
+    lowered: ``test_kernels_lower_for_cuda`` lowers these kernels."""
+    from jax_seqpar.kernels import pallas_mgpu_bwd, pallas_mgpu_fused
+    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[D], **kw)
+    assert 2 * cfg.block_kv_bwd == 128 and cfg.block_kv_dq == 128
+    seen = []  # (shape, whether a padded-key test came) of each tile test
+    for module in (pallas_mgpu_bwd, pallas_mgpu_fused):
+        def spy(*a, extra=None, real=module.tile_visible, **k):
+            seen.append((a[6], extra is not None))
+            return real(*a, extra=extra, **k)
+        monkeypatch.setattr(module, "tile_visible", spy)
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    # the key-stationary kernel's tiles: [queries, keys] fused, [keys, queries] not
+    kv_shape = (bq, bk) if cfg.row_scores else (bk, bq)
+    for T in (200, 256):
+        seen.clear()
+        q = SDS((1, T, 2, D), BF16)
+        _traced(lambda q, k, v, o, l, do, qp, kp: mgpu_bwd(
+            q, k, v, o, l, do, qp, kp, MaskSpec(causal=causal), 0.1, config=cfg),
+            q, q, q, q, SDS((1, 2, T), jnp.float32), q, *[SDS((T,), jnp.int32)] * 2)
+        kv_tests = {pad for shape, pad in seen if shape == kv_shape}
+        dq_tests = {pad for shape, pad in seen if shape == (bq, cfg.block_kv_dq)}
+        # the kernels that add dQ: with 200 keys each tile test has it, with 256 none
+        adds_dq = kv_tests if cfg.atomic_dq else dq_tests
+        assert adds_dq == ({True} if T == 200 else {False} if causal else set())
+        if not cfg.atomic_dq:  # the dK/dV kernel's own padded rows are cut off
+            assert kv_tests == ({False} if causal else set())
+
+
 def _spy_on_lists(module, monkeypatch, kw, seg: bool):
     """Record the ``classes=`` of every ``tile_lists`` call ``module`` makes; returns
     ``(seen, config, T, q, positions, segment ids)`` for a D 128 causal call of 512

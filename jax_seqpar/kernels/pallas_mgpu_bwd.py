@@ -77,7 +77,7 @@ from jax_seqpar.masks import MaskSpec
 # --------------------------------------------------------------------------- dK, dV
 def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
                mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               dq_acc=None, classes: bool = False):
+               dq_acc=None, classes: bool = False, Tk: int | None = None):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     with_dq = dq_acc is not None
@@ -88,6 +88,11 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     half = D // 2
     c = scale * LOG2E
     overlap = config.overlap_bwd and not with_dq
+    # keys padded past Tk: masked where dQ is added from them (as fused_call's); a
+    # padded key's own dK and dV rows are cut off, so the kernel without dQ skips it
+    pad_keys = with_dq and Tk is not None and Tk % (2 * bk) != 0
+    if pad_keys and not masked:
+        raise ValueError(f"_dkdv_call: keys padded past Tk={Tk} need masked=True")
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
@@ -119,8 +124,12 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL) if pos else None
             pair = seg == "pair"
             qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if pair else None
+            pad = None
+            if pad_keys and pos:  # position-proved tiles hold no padded key
+                row = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=WGMMA)
+                pad = row + row0 < Tk
             ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
-                              qseg, kseg if pair else None, 1, (bk, bq))
+                              qseg, kseg if pair else None, 1, (bk, bq), extra=pad)
             return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
         def col_lse(lse, t, mode):
@@ -556,6 +565,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         segs = (_pad_to(q_seg.astype(jnp.int32), 1, Lq, edge=True),
                 _pad_to(kv_seg.astype(jnp.int32), 1, Lk, edge=True))
     pos_masked = mask.right_limit is not None or mask.left_limit is not None or has_seg
+    # the key-stationary kernels that add dQ mask the keys padded past Tk (fused_call)
+    masked_kv = pos_masked or Tk % (2 * bk) != 0
     seg_kw = segment_lists_args(*segs, config.segment_skip)
     # mask classes need the ids in the lists (segment_skip); the atomic-dQ kernel's
     # steps do not take them
@@ -582,11 +593,12 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
             (B, Lq, Hq, D), dl))
         args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
-            dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=pos_masked,
-                                config=config, classes=classes_dkdv or docs, docs=docs)
+            dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=masked_kv,
+                                config=config, classes=classes_dkdv or docs, docs=docs,
+                                Tk=Tk)
         else:
-            dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=pos_masked,
-                                config=config, dq_acc=dq_acc)
+            dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=masked_kv,
+                                config=config, dq_acc=dq_acc, Tk=Tk)
         dq = dq_acc[...][:, :Tq] * scale
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     dk, dv = _dkdv_call(tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,

@@ -60,7 +60,7 @@ from jax_seqpar.masks import MaskSpec
 
 def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
                *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               classes: bool = False, docs: bool = False):
+               classes: bool = False, docs: bool = False, Tk: int | None = None):
     """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
@@ -68,13 +68,24 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     lists, whose blocks own part of the rows they load: a step's other rows get ``P = 0``
     (their lse folded to ``+inf`` in every masked class), and in the ``"pair"`` class the
     CTA's other keys are masked too.  The positions and ids must then run a step
-    (queries) and a CTA (keys) past their padded ends."""
+    (queries) and a CTA (keys) past their padded ends.
+
+    ``Tk``: the keys before padding.  Keys past it (K and V zero, positions and ids the
+    last key's) are masked in every position-tested class, which holds each CTA whose
+    keys run past ``Tk`` (``pallas_common.tile_lists``: such a tile is never whole):
+    else a padded key's ``P = exp2(0 - lse2)`` overflows for a query row whose lse is
+    below about -88, and ``inf * 0`` puts NaN into dQ.  ``masked`` must then be true.
+    (``docs`` lists hold no padded key outside their ``"pair"`` class, which tests each
+    key against the rows its block owns, all of them below ``Tk``.)"""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
     has_seg = q_seg is not None
     half = D // 2
     c = scale * LOG2E
+    pad_keys = Tk is not None and Tk % (2 * bk) != 0 and not docs
+    if pad_keys and not masked:
+        raise ValueError(f"fused_call: keys padded past Tk={Tk} need masked=True")
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
@@ -121,6 +132,9 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 # broadcast, ptxas spilled more: 380 bytes a thread against 284)
                 col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + row0
                 extra = (col >= keys[0]) & (col < keys[1])
+            if pad_keys and pos:  # position-proved tiles hold no padded key
+                col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA)
+                extra = col + row0 < Tk
             return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
                                 qseg, kseg if pair else None, 0, (bq, bk), extra=extra)
 
