@@ -63,9 +63,9 @@ from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    compiler_params, cta_order, doc_cta_order,
-                                                   on_producer_warps, produce_kv,
-                                                   row_loops, step_index, tile_visible,
-                                                   traced)
+                                                   keys_before, on_producer_warps,
+                                                   produce_kv, row_loops, step_index,
+                                                   tile_visible, traced)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_docs import doc_tile_lists
@@ -124,10 +124,8 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             qpos = _load(qpos_ref.at[b, pl.ds(start, bq)], COL) if pos else None
             pair = seg == "pair"
             qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL) if pair else None
-            pad = None
-            if pad_keys and pos:  # position-proved tiles hold no padded key
-                row = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=WGMMA)
-                pad = row + row0 < Tk
+            # position-proved tiles hold no padded key
+            pad = keys_before(Tk, row0, (bk, bq), 0) if pad_keys and pos else None
             ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
                               qseg, kseg if pair else None, 1, (bk, bq), extra=pad)
             return s if ok is None else jnp.where(ok, s, -jnp.inf)
@@ -390,10 +388,8 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 kpos = _load(kvpos_ref.at[pl.ds(start, bk)], COL) if pos else None
                 pair = seg == "pair"
                 kseg = _load(kvseg_ref.at[b, pl.ds(start, bk)], COL) if pair else None
-                pad = None
-                if pad_keys and pos:  # position-proved tiles hold no padded key
-                    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                    pad = col + start < Tk
+                # position-proved tiles hold no padded key
+                pad = keys_before(Tk, start, shape, 1) if pad_keys and pos else None
                 return tile_visible(mask if pos else MaskSpec(), qpos, kpos,
                                     qseg if pair else None, kseg, 0, shape, extra=pad)
 

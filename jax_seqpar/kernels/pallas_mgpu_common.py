@@ -518,6 +518,16 @@ def doc_cta_order(tbl, last: bool = False, classes: bool = False):
 _SHIFTED_LIMIT = 2 ** 30
 
 
+def keys_before(Tk: int, first, shape, k_axis: int):
+    """The padded-key test of a ``shape`` tile of scores in the WGMMA layout: its keys
+    (along ``k_axis``, the first at row ``first``) lie before ``Tk``.  Keys padded past
+    ``Tk`` are zero, with the last key's position and id, so the mask's own tests let
+    them through (``tile_visible``'s ``extra``)."""
+    plgpu = _plgpu()
+    key = plgpu.broadcasted_iota(jnp.int32, shape, k_axis, layout=plgpu.Layout.WGMMA)
+    return key + first < Tk
+
+
 def tile_visible(mask, q_pos, k_pos, q_seg, k_seg, q_axis: int, shape, extra=None,
                  diff=None):
     """Visibility of a ``shape`` tile of scores (or None: all visible) from row vectors:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
-                                                   step_index, tile_visible)
+                                                   keys_before, step_index, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq, step_rows)
 from jax_seqpar.masks import MaskSpec
@@ -133,8 +133,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
                 col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + row0
                 extra = (col >= keys[0]) & (col < keys[1])
             if pad_keys and pos:  # position-proved tiles hold no padded key
-                col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA)
-                extra = col + row0 < Tk
+                extra = keys_before(Tk, row0, (bq, bk), 1)
             return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
                                 qseg, kseg if pair else None, 0, (bq, bk), extra=extra)
 
