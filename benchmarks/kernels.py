@@ -6,7 +6,9 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
   on small inputs -- head dims 64/128/256, bf16/f16/f32, causal, window, segment ids,
   GQA/MQA, ragged lengths, position vectors as a ring step or a zigzag/striped shard
   would give, fully masked rows, scores far below exp's range on ragged lengths.  Errors
-  are relative (``||x - ref|| / ||ref||``).
+  are relative (``||x - ref|| / ||ref||``).  On GPUs the ``cudnn`` backend is checked
+  too, through the kernel contract, on the tiles a caller would state (it refuses the
+  rest); ``--check-kernels`` names must be backends available here.
 * ``sweep``: Pallas block sizes / warps at S = 16k, bf16, causal and not (picks defaults).
 * ``bench``: forward and forward+backward TFLOP/s of ``xla``, ``pallas``,
   ``flash_attn`` (when importable) and cuDNN (``jax.nn.dot_product_attention(
@@ -58,6 +60,7 @@ import numpy as np  # noqa: E402
 import jax_seqpar as jsp  # noqa: E402
 from jax_seqpar.kernels import PallasConfig, PallasKernel, XlaKernel  # noqa: E402
 from jax_seqpar.kernels import MgpuConfig, PallasMgpuKernel  # noqa: E402
+from jax_seqpar.kernels.cudnn import CudnnKernel  # noqa: E402
 from jax_seqpar.kernels.pallas_mgpu import is_hopper  # noqa: E402
 from jax_seqpar.layouts import shard_positions  # noqa: E402
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL  # noqa: E402
@@ -200,6 +203,25 @@ def unused_variants(names, phases, check_kernels=None, bench_kernels=None):
     if {"pair", "breakdown"} & set(phases) and bench is not None:
         used |= set(names) & bench
     return [n for n in names if n not in used]
+
+
+def check_kernels_for(available, wanted=None, on_gpu=False):
+    """The backends the ``check`` phase runs: ``available`` (name -> kernel; ``None`` for
+    the direct calls that only ``pair`` and ``bench`` make) by default, or the names of
+    ``--check-kernels``, in that order.  A name that is not available here is refused
+    with the ones that are: a check that silently leaves a backend out reads as passed.
+    By default the GPU check leaves out ``xla`` (the CPU tests cover it at length) and
+    the CPU check ``flash_attn``."""
+    usable = {n: k for n, k in available.items() if k is not None}
+    if not wanted:
+        skip = "xla" if on_gpu else "flash_attn"
+        return {n: k for n, k in usable.items() if n != skip}
+    names = [n for n in wanted.split(",") if n]
+    unknown = [n for n in names if n not in usable]
+    if unknown:
+        raise ValueError(f"--check-kernels: {', '.join(unknown)} not available here "
+                         f"(available: {', '.join(sorted(usable))})")
+    return {n: usable[n] for n in names}
 
 
 def _positions(kind, Tq, Tk):
@@ -574,7 +596,8 @@ def main():
     p.add_argument("--dims", default="64,128,256", help="head dims for check/sweep")
     p.add_argument("--dtypes", default=None, help="dtypes for check (default: all on GPU)")
     p.add_argument("--check-kernels", default=None,
-                   help="backends for check (default: pallas and flash_attn on GPU)")
+                   help="backends for check, comma-separated (default: every one available; "
+                        "on GPUs also cudnn, through the kernel contract)")
     p.add_argument("--cases", default=None, help="check cases (default: all), comma-separated")
     p.add_argument("--trace", action="store_true", help="check: report each forward")
     p.add_argument("--hang-dump", type=float, default=None,
@@ -620,14 +643,18 @@ def main():
     if "check" in phases:
         dtypes = (args.dtypes.split(",") if args.dtypes else
                   ["bfloat16", "float16", "float32"] if on_gpu else ["float32", "bfloat16"])
-        # on GPU the xla kernel is skipped here (the CPU tests cover it at length)
-        ck = {n: k for n, k in kernels.items()
-              if k is not None and n != ("xla" if on_gpu else "flash_attn")}
+        checkable = dict(kernels)
         if args.pallas_config:
             fields = [int(x) for x in args.pallas_config.split(",")]
-            kernels["pallas"] = ck["pallas"] = PallasKernel(config=PallasConfig(*fields))
-        if args.check_kernels:
-            ck = {n: kernels[n] for n in args.check_kernels.split(",") if n in kernels}
+            kernels["pallas"] = checkable["pallas"] = PallasKernel(
+                config=PallasConfig(*fields))
+        if on_gpu:  # the cudnn backend through the contract, on the tiles a caller
+            # states (dense, aligned); bench and pair call cuDNN directly as "cudnn"
+            checkable["cudnn"] = CudnnKernel()
+        try:
+            ck = check_kernels_for(checkable, args.check_kernels, on_gpu)
+        except ValueError as e:
+            p.error(str(e))
         def save_partial(rows):
             result["check"] = rows
             save_json(result, path)

@@ -5,7 +5,7 @@ machine: tracing the kernel bodies, checking every ref, layout, barrier and wgmm
 and emitting the Mosaic GPU module.  So these tests lower the forward and both backward
 kernels (alone and inside a ring) for ``cuda``, and check the configuration, the
 shared-memory budget, the launch order and the refusals.  Their numerics are checked on
-an H200 by ``benchmarks/kernels.py --phases check`` (42 of 42 cases, RESULTS.md).
+an H200 by ``benchmarks/kernels.py --phases check`` (RESULTS.md has each run's cases).
 """
 
 import contextlib
@@ -1021,6 +1021,27 @@ def test_benchmark_variants_replace_fields_of_the_per_dim_default(monkeypatch):
     monkeypatch.setattr(PallasMgpuKernel, "config_for", lambda self, *a, **k: tuned)
     assert kern.config_for(64, "bfloat16", MaskSpec(), False, TILE_DENSE) == \
         dataclasses.replace(tuned, atomic_dq=False, block_kv_dq=64)
+
+
+def test_benchmark_check_kernels_refuses_names_it_cannot_run():
+    """``benchmarks/kernels.py --check-kernels``: a backend missing here (tokamax not
+    installed, cuDNN off a GPU, a typo) stops the run with the names that exist, where
+    it used to drop out of the check silently."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kernels as kb
+    avail = {"xla": "X", "pallas": "P", "flash_attn": "F", "tokamax_direct": None}
+    assert kb.check_kernels_for(avail, None, on_gpu=False) == {"xla": "X", "pallas": "P"}
+    assert kb.check_kernels_for(avail, None, on_gpu=True) == {"pallas": "P",
+                                                              "flash_attn": "F"}
+    assert list(kb.check_kernels_for(avail, "pallas,xla")) == ["pallas", "xla"]
+    for bad, named in (("pallas,cudnn", "cudnn"), ("tokamax_direct", "tokamax_direct"),
+                       ("palas", "palas")):
+        with pytest.raises(ValueError, match=f"--check-kernels: {named} not available") \
+                as e:
+            kb.check_kernels_for(avail, bad)
+        assert "available: flash_attn, pallas, xla" in str(e.value)
 
 
 # --------------------------------------------------------------------------- persistent
