@@ -45,11 +45,17 @@ def fake_fwd(q, k, v, *, scale, causal, window=None):
     return helpers.probs_times_v(e / l[..., None], v).astype(q.dtype), (m, l)
 
 
-def fake_bwd(q, k, v, o, residuals, do, *, scale, causal, window=None):
-    """tokamax's backward: ``P = exp(s - m) / l`` from the residuals it is given."""
-    CALLS.append(("bwd", causal, window))
+def fake_bwd(q, k, v, o, residuals, do, *, scale, causal, window=None, kv_len=None):
+    """tokamax's backward: ``P = exp(s - m) / l`` from the residuals it is given, on whole
+    tiles only (tokamax 0.0.17 gives NaN past a ragged length: the backend pads), keys
+    from ``kv_len`` on masked."""
+    CALLS.append(("bwd", causal, window, q.shape[1], k.shape[1], kv_len))
+    assert q.shape[1] % tk.ROW_TILE == 0 and k.shape[1] % tk.ROW_TILE == 0, \
+        "tokamax's backward was handed a ragged length"
     m, l = residuals
     ok = _ok(q.shape[1], k.shape[1], causal, window)
+    if kv_len is not None:
+        ok &= jnp.arange(k.shape[1]) < kv_len
     s = helpers.index_masked_scores(q, k, scale, ok)
     p = jnp.where(ok, jnp.exp(s - m[..., None]) / l[..., None], 0.0)
     return helpers.backward_from_probs(q, k, v, o, p, do, scale)
@@ -141,6 +147,36 @@ def test_lse_from_residuals_and_a_tile_against_the_reference(fake_gpu):
         assert g.dtype == F32
         helpers.assert_close(g, r, 2e-2, name)
     assert [c[0] for c in fake_gpu] == ["fwd", "bwd"] and fake_gpu[0][2] == (9, 4)
+
+
+@pytest.mark.parametrize("Tq,Tk,mask,tile", [
+    (200, 200, MaskSpec(causal=True), TILE_ALIGNED),
+    (300, 300, MaskSpec(window=(40, 7)), TILE_ALIGNED),   # a window past the diagonal
+    (200, 330, MaskSpec(), TILE_DENSE),
+    (256, 512, MaskSpec(), TILE_DENSE),                   # whole tiles: passed as they are
+])
+def test_backward_pads_ragged_lengths_to_whole_tiles(fake_gpu, Tq, Tk, mask, tile):
+    """The backward hands tokamax whole tiles: zero rows past ``Tq`` with ``m = +inf`` (no
+    probability), keys past ``Tk`` masked by a key range, gradients cut back; scores far
+    below 0 (where a padded key let through would dominate) match the reference."""
+    q, k, v = helpers.make_qkv(5, B=1, S=Tq, Sk=Tk, Hq=2, Hkv=1, D=64, dtype=BF16)
+    # every score far below 0 (around -100): keys share a part that the queries oppose
+    q = (0.5 * q - 12.0).astype(BF16)
+    k = (0.5 * k + 1.5).astype(BF16)
+    do = helpers.make_cotangent(5, q.shape, BF16)
+    kern, scale = tk.TokamaxKernel(), 64 ** -0.5
+    qp, kp = jnp.arange(Tq, dtype=jnp.int32), jnp.arange(Tk, dtype=jnp.int32)
+    o, lse = kern.fwd(q, k, v, qp, kp, mask, scale, tile=tile)
+    ro, rlse, rg = helpers.reference_fwd_bwd(q, k, v, do, causal=mask.causal,
+                                             window=mask.window)
+    assert float(jnp.max(rlse)) < -40   # the regime where padded keys would overflow
+    grads = kern.bwd(q, k, v, o, lse, do, qp, kp, mask, scale, tile=tile)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, rg, (Tq, Tk, Tk)):
+        assert g.shape[1] == n and bool(jnp.isfinite(g).all()), name
+        helpers.assert_close(g, r, 2e-2, name)
+    _, causal, window, tq, tkk, kv_len = fake_gpu[-1]
+    assert (tq, tkk) == (-(-Tq // 256) * 256, -(-Tk // 256) * 256)
+    assert kv_len == (None if Tk % 256 == 0 else Tk)
 
 
 def _ring_grad(G, causal, layout, backward, window):

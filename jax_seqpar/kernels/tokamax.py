@@ -29,6 +29,17 @@ O)`` from the residuals and the output it is given, so a ring hands it the *glob
 ``o`` and lse of the rows as ``(m, l) = (lse, 1)`` (the same P); this backend sets
 ``needs_o`` (it cannot take ``delta`` alone).  GQA is native.
 
+Ragged lengths: tokamax 0.0.17's backward pads rows only to a multiple of 8, and its
+kernels tile rows by 128 (up to 256 in its autotuning configs), so the rows and keys
+past a length that is not a whole tile are read as zeros with no mask.  Such a key's
+``P = exp(0 - m)`` overflows when a row's scores lie far below 0, and such a row's
+``(m, l)`` are not the ``(+inf, 1)`` that would make its ``P`` zero: dQ and dV came back
+with NaN on one H200 (lengths 200 and 300; in float16 also on plain random inputs;
+RESULTS.md, "tokamax's backward on ragged lengths").  Its forward masks them.  So this
+backend's backward hands tokamax whole tiles (``ROW_TILE``): queries, outputs and
+cotangents padded with zero rows whose residual ``m`` is ``+inf`` (``P = 0``), keys and
+values with zero rows that a key range (``k_end``) masks; the gradients are cut back.
+
 Every call into tokamax goes through ``tokamax_fwd`` / ``tokamax_bwd`` below (its private
 module, pinned by the extra); tests replace them with a reference stand-in on CPU.
 """
@@ -47,6 +58,10 @@ from jax_seqpar.masks import MaskSpec
 F32 = jnp.float32
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
+#: The backward's rows and keys come in multiples of this (the module docstring,
+#: "Ragged lengths"): tokamax 0.0.17's VJP tiles are ``compute_wgs * block``, 2 x 64 by
+#: its heuristics and at most 2 x 128 among its autotuning configs.
+ROW_TILE = 256
 
 
 def tokamax_module():
@@ -72,12 +87,15 @@ def tokamax_mask(mask: MaskSpec, tile: str):
     return False, (mask.left_limit, mask.right_limit)
 
 
-def _tokamax_mask(causal: bool, window):
+def _tokamax_mask(causal: bool, window, kv_len=None):
+    """tokamax's mask; ``kv_len``: keys from that index on are masked (padding)."""
     base, _ = tokamax_module()
     m = base.Mask(None, is_causal=causal)
     if window is not None:
         left, right = window
         m &= base.CausalMask(offset=right, window_size=left + right + 1)
+    if kv_len is not None:
+        m &= base.Mask(k_end=jnp.full((1,), kv_len, jnp.int32))
     return m
 
 
@@ -89,14 +107,15 @@ def tokamax_fwd(q, k, v, *, scale: float, causal: bool, window=None):
         return_residuals=True)
 
 
-def tokamax_bwd(q, k, v, o, residuals, do, *, scale: float, causal: bool, window=None):
+def tokamax_bwd(q, k, v, o, residuals, do, *, scale: float, causal: bool, window=None,
+                kv_len=None):
     """tokamax's Mosaic GPU backward from ``residuals = (m, l)`` and the output ``o``:
-    ``(dq, dk, dv)`` in the input dtype."""
+    ``(dq, dk, dv)`` in the input dtype; ``kv_len``: keys from there on are masked."""
     _, mgpu = tokamax_module()
     op = mgpu.PallasMosaicGpuFlashAttention()
     # the VJP op takes the forward's bound arguments (canonical precision, mask, ...), as
     # tokamax's own custom_vjp passes them
-    ba = op.bind(q, k, v, mask=_tokamax_mask(causal, window), logits_scale=scale)
+    ba = op.bind(q, k, v, mask=_tokamax_mask(causal, window, kv_len), logits_scale=scale)
     kwargs = {key: val for key, val in ba.kwargs.items() if key != "return_residuals"}
     grads = op.vjp(residuals, o, do, *ba.args, **kwargs)
     grads = grads[0] if isinstance(grads, tuple) else grads
@@ -176,11 +195,27 @@ class TokamaxKernel:
                                       "backward")
         causal, window = self._prepare(q, k, mask, q_seg, tile)
         dt = q.dtype
-        lse = lse.astype(F32)
-        dq, dk, dv = tokamax_bwd(q, k, v, o.astype(dt), (lse, jnp.ones_like(lse)),
-                                 do.astype(dt), scale=float(scale), causal=causal,
-                                 window=window)
-        return dq.astype(F32), dk.astype(F32), dv.astype(F32)
+        Tq, Tk = q.shape[1], k.shape[1]
+        # whole tiles only (the module docstring, "Ragged lengths"): zero rows past Tq
+        # with m = +inf, so P = 0 there; zero keys past Tk, masked by the key range
+        q, o, do = (_pad_rows(x.astype(dt), 1) for x in (q, o, do))
+        k, v = _pad_rows(k, 1), _pad_rows(v, 1)
+        lse = _pad_rows(lse.astype(F32), 2, jnp.inf)
+        kv_len = Tk if k.shape[1] != Tk else None
+        dq, dk, dv = tokamax_bwd(q, k, v, o, (lse, jnp.ones_like(lse)), do,
+                                 scale=float(scale), causal=causal, window=window,
+                                 kv_len=kv_len)
+        return (dq[:, :Tq].astype(F32), dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32))
+
+
+def _pad_rows(x, axis: int, value=0.0):
+    """``x`` with its ``axis`` padded by ``value`` to a multiple of ``ROW_TILE``."""
+    pad = -x.shape[axis] % ROW_TILE
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 # After cudnn and pallas_mgpu for dense and aligned tiles (base.AUTO_ORDER); no general tiles.
