@@ -223,8 +223,14 @@ def per_cta(blocks):
 
 
 def kernel_kind(names) -> str:
-    """Which kernel a trace is of, by its regions: ``fwd``, ``dq`` or ``dkdv``."""
-    return "dkdv" if "dkdv_rows" in names else "dq" if "dq_rows" in names else "fwd"
+    """Which kernel a trace is of, by its regions: ``fwd``, ``dq`` or ``dkdv`` (the
+    fused backward's too), or ``other`` for a kernel without these regions (the TMA
+    zeroing of the float32 dQ, ``pallas_mgpu_bwd.tma_zeros``), which is not summarised."""
+    if "dkdv_rows" in names:
+        return "dkdv"
+    if "dq_rows" in names:
+        return "dq"
+    return "fwd" if "rows" in names else "other"
 
 
 def main(argv=None):
@@ -332,6 +338,8 @@ def main(argv=None):
                 if not kept:
                     raise RuntimeError(f"{case} {name}: the traced kernels wrote no profile")
                 for kind, (buf, names, n_entries, grid) in sorted(kept.items()):
+                    if kind == "other":
+                        continue
                     blocks = parse(buf, names, n_entries)
                     summary = summarize(blocks)
                     summary.update(B=B, S=S, grid=list(grid), call_ms=ms, ranges=ranges,

@@ -65,6 +65,8 @@ def test_traces_name_their_kernel_and_bad_kernels_are_refused():
     assert kernel_trace.kernel_kind({"dkdv_rows": 1, "step": 2}) == "dkdv"
     assert kernel_trace.kernel_kind({"dq_rows": 1}) == "dq"
     assert kernel_trace.kernel_kind({"rows": 1, "load": 0}) == "fwd"
+    # the TMA zeroing kernel records no regions: it is not read as a forward
+    assert kernel_trace.kernel_kind({}) == "other"
     with pytest.raises(SystemExit):
         kernel_trace.main(["--kernels", "dkdv"])
 
