@@ -210,3 +210,49 @@ def test_ring_with_auto_uses_it_where_cudnn_refuses(fake_gpu, monkeypatch, G, ca
     kinds = {c[:2] for c in fake_gpu}
     assert ("fwd", False, window) in fake_gpu if window else ("fwd", causal) in kinds
     assert any(c[0] == "bwd" for c in fake_gpu)
+
+
+def test_ragged_probe_blames_tokamax_not_the_backend(fake_gpu, monkeypatch, tmp_path):
+    """``benchmarks/tokamax_ragged_probe.py`` with stand-ins: a public call that, like
+    tokamax 0.0.17, returns NaN in dV past a ragged length is reported as such, and the
+    exit status judges only the backend (padded: finite, within budget)."""
+    import functools
+    import json
+    import sys
+    import types
+    from pathlib import Path
+
+    import jax
+
+    def plain(q, k, v, causal, scale):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def attn(q, k, v, causal, scale):
+        return plain(q, k, v, causal, scale)
+
+    def attn_fwd(q, k, v, causal, scale):
+        return plain(q, k, v, causal, scale), (q, k, v)
+
+    def attn_bwd(causal, scale, res, g):
+        dq, dk, dv = jax.vjp(lambda *a: plain(*a, causal, scale), *res)[1](g)
+        if res[0].shape[1] % 128:  # tokamax 0.0.17's NaN past a ragged length
+            dv = dv.at[:, -1].set(jnp.nan)
+        return dq, dk, dv
+    attn.defvjp(attn_fwd, attn_bwd)
+    fake = types.ModuleType("tokamax")
+    fake.dot_product_attention = (lambda q, k, v, is_causal, scale, implementation:
+                                  attn(q, k, v, is_causal, scale))
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["probe", "--dims", "64", "--lengths", "200",
+                                      "--dtypes", "bfloat16"])
+    import tokamax_ragged_probe as probe
+    assert probe.main() == 0
+    rows = json.loads((tmp_path / "tokamax_ragged_probe.json").read_text())["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["tokamax_public"]["nan_dq_dk_dv"][2] > 0
+        assert r["backend"]["nan_dq_dk_dv"] == [0, 0, 0]
+        assert max(r["backend"]["err_out_dq_dk_dv"]) <= r["budget"]
