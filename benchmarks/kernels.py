@@ -596,8 +596,9 @@ def main():
     p.add_argument("--dims", default="64,128,256", help="head dims for check/sweep")
     p.add_argument("--dtypes", default=None, help="dtypes for check (default: all on GPU)")
     p.add_argument("--check-kernels", default=None,
-                   help="backends for check, comma-separated (default: every one available; "
-                        "on GPUs also cudnn, through the kernel contract)")
+                   help="backends for check, comma-separated (default: every one available "
+                        "but xla on GPUs, where cudnn is checked through the kernel contract "
+                        "too, and flash_attn on CPU)")
     p.add_argument("--cases", default=None, help="check cases (default: all), comma-separated")
     p.add_argument("--trace", action="store_true", help="check: report each forward")
     p.add_argument("--hang-dump", type=float, default=None,
