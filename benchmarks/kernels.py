@@ -237,6 +237,21 @@ def _positions(kind, Tq, Tk):
     return qp, kp
 
 
+def _static_fwd_bwd(kern, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, scale):
+    """``(o, vjp)`` of a backend's ``fwd`` and ``bwd`` called as ``local_attention``'s rules
+    call them (``o`` saved in the input dtype), with NumPy positions and no ``jit``: the
+    general tiles of a backend that reads positions statically (flash-attn), which no
+    differentiable call reaches (its positions are traced under ``custom_vjp``)."""
+    o, lse = kern.fwd(q, k, v, q_pos, kv_pos, mask, scale, q_seg, kv_seg)
+    o = o.astype(q.dtype)
+
+    def vjp(do):
+        return tuple(g.astype(x.dtype) for g, x in zip(
+            kern.bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask, scale, q_seg, kv_seg),
+            (q, k, v)))
+    return o, vjp
+
+
 def check(kernels, dims, dtypes, on_row=lambda rows: None, cases=None, trace=False,
           hang_dump=None):
     """``on_row(rows)`` runs after every case (the caller saves, so a time limit that
@@ -264,7 +279,8 @@ def check(kernels, dims, dtypes, on_row=lambda rows: None, cases=None, trace=Fal
             budget = 1e-4 if dt == "float32" else 1e-1
         v = jax.random.normal(ks[2], (B, Tk, Hkv, D), dtype)
         do = jax.random.normal(ks[3], (B, Tq, Hq, D), dtype)
-        qp, kp = (jnp.asarray(x, jnp.int32) for x in _positions(pos, Tq, Tk))
+        qp_np, kp_np = (np.asarray(x, np.int32) for x in _positions(pos, Tq, Tk))
+        qp, kp = jnp.asarray(qp_np), jnp.asarray(kp_np)
         rng = np.random.default_rng(0)
         qs = jnp.asarray(np.sort(rng.integers(0, 3, (B, Tq)), -1), jnp.int32) if seg else None
         kvs = jnp.asarray(np.sort(rng.integers(0, 3, (B, Tk)), -1), jnp.int32) if seg else None
@@ -294,9 +310,10 @@ def check(kernels, dims, dtypes, on_row=lambda rows: None, cases=None, trace=Fal
             t0 = time.perf_counter()
             try:
                 g = make_fn(kern, mask, scale, tile=tile)
-                if kname == "flash_attn":  # it needs static positions for causal/window
-                    fn = jax.jit(lambda q, k, v, qs, kvs: g(q, k, v, qp, kp, qs, kvs))
-                    o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qs, kvs), q, k, v)
+                if kname == "flash_attn":  # it needs static positions for causal/window,
+                    # which local_attention's custom_vjp traces: its fwd and bwd, eagerly
+                    o, vjp = _static_fwd_bwd(kern, q, k, v, qp_np, kp_np, qs, kvs, mask,
+                                             scale)
                 else:  # positions traced, as inside a ring
                     fn = jax.jit(g)
                     o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qp, kp, qs, kvs), q, k, v)
