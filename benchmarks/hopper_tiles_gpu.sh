@@ -6,7 +6,8 @@
 #   bash benchmarks/hopper_tiles_gpu.sh check RUN    # kernels.py check of the table's configs
 #                                                    # (KERNELS=pallas_mgpu,NAME VARIANTS=NAME:...
 #                                                    # checks a variant beside them; CASES=a,b
-#                                                    # narrows the cases)
+#                                                    # narrows the cases; DTYPES=a,b
+#                                                    # the dtypes, bfloat16 by default)
 #   (here: python benchmarks/mgpu_tune.py --merge tune_d*.json --table jax_seqpar/kernels/mgpu_tuned.json)
 #   bash benchmarks/hopper_tiles_gpu.sh pair RUN     # kernels.py pair at 16k and 64k -> $OUT
 #   (KERNELS=tokamax_direct,pallas_mgpu,lists VARIANTS=lists:index_tiles=false ... pair RUN
@@ -45,6 +46,15 @@ with_tokamax() {
   export PYTHONPATH="/tmp/tk:/tmp/tk_stub${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+with_flash_attn() {  # flash-attn-jax packed here by carry_flash_attn.sh (carry .carry)
+  if [ ! -d /tmp/fa/site ]; then
+    rm -rf /tmp/fa && cp -r ../.carry/flash_attn /tmp/fa
+    find /tmp/fa -name '*.xz' -exec xz -d {} +
+  fi
+  export PYTHONPATH="/tmp/fa/site${PYTHONPATH:+:$PYTHONPATH}"
+  export LD_LIBRARY_PATH="/tmp/fa/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
 case "$phase" in
 tune)
     dim=${2:?head dim}
@@ -56,13 +66,14 @@ tune)
 check)
     run=${2:?run name}
     case ",${KERNELS:-}," in *,tokamax,*) with_tokamax ;; esac
+    case ",${KERNELS:-}," in *,flash_attn,*) with_flash_attn ;; esac
     variants=()
     for v in ${VARIANTS:-}; do variants+=(--mgpu-variant "$v"); done
     status=0  # a run stopped by its limit keeps the cases it checked (saved per case)
     timeout "${CHECK_S:-300}" python kernels.py --phases check "${variants[@]}" \
         ${CASES:+--cases "$CASES"} \
         --check-kernels "${KERNELS:-pallas_mgpu}" --dims "${DIMS:-64,128}" \
-        --dtypes bfloat16 2>&1 | tee "$OUT/check_$run.log" || status=$?
+        --dtypes "${DTYPES:-bfloat16}" 2>&1 | tee "$OUT/check_$run.log" || status=$?
     mv "$OUT/kernels_gpu.json" "$OUT/check_$run.json"
     exit "$status"
     ;;
