@@ -18,6 +18,7 @@ and exits 1 if the backend has a NaN or misses its budget (2e-2; 1e-1 for the lo
 scores, as ``kernels.py``'s check cases)::
 
     python benchmarks/tokamax_ragged_probe.py [--dims 128] [--lengths 200,256] [--dtypes ...]
+        [--masks dense]
     # tokamax 0.0.17 installed; about 10 s a case on an H200 (48 cases by default)
 """
 
@@ -52,6 +53,8 @@ def main() -> int:
     p.add_argument("--dims", default="64,128", help="head dims, comma-separated")
     p.add_argument("--lengths", default="200,256,300", help="sequence lengths")
     p.add_argument("--dtypes", default="bfloat16,float16")
+    p.add_argument("--masks", default="causal,dense",
+                   help="causal, dense or both (causal first), comma-separated")
     args = p.parse_args()
     import tokamax
     kern = TokamaxKernel()
@@ -60,8 +63,12 @@ def main() -> int:
     path = os.path.join(out_dir(), "tokamax_ragged_probe.json")
     dims = [int(x) for x in args.dims.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
+    masks = args.masks.split(",")
+    if not masks or set(masks) - {"causal", "dense"}:
+        p.error(f"--masks: causal and/or dense, not {args.masks!r}")
+    causals = [m == "causal" for m in masks]
     for causal, D, dt, T, low in itertools.product(
-            (True, False), dims, args.dtypes.split(","), lengths, (False, True)):
+            causals, dims, args.dtypes.split(","), lengths, (False, True)):
         dtype = jnp.dtype(dt)
         ks = jax.random.split(jax.random.PRNGKey(T + D), 4)
         q = jax.random.normal(ks[0], (1, T, Hq, D), dtype)

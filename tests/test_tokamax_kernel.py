@@ -256,3 +256,11 @@ def test_ragged_probe_blames_tokamax_not_the_backend(fake_gpu, monkeypatch, tmp_
         assert r["tokamax_public"]["nan_dq_dk_dv"][2] > 0
         assert r["backend"]["nan_dq_dk_dv"] == [0, 0, 0]
         assert max(r["backend"]["err_out_dq_dk_dv"]) <= r["budget"]
+    # --masks picks the cases (the GPU's call limit reaches the dense ones only so)
+    monkeypatch.setattr(sys, "argv", sys.argv + ["--masks", "dense"])
+    assert probe.main() == 0
+    rows = json.loads((tmp_path / "tokamax_ragged_probe.json").read_text())["rows"]
+    assert [r["causal"] for r in rows] == [False, False]
+    monkeypatch.setattr(sys, "argv", sys.argv[:-1] + ["sideways"])
+    with pytest.raises(SystemExit):
+        probe.main()
