@@ -8,7 +8,9 @@ Phases (``--phases``, comma-separated; default all that the machine can run):
   would give, fully masked rows, scores far below exp's range on ragged lengths.  Errors
   are relative (``||x - ref|| / ||ref||``).  On GPUs the ``cudnn`` backend is checked
   too, through the kernel contract, on the tiles a caller would state (it refuses the
-  rest); ``--check-kernels`` names must be backends available here.
+  rest); ``--check-kernels`` names must be backends available here.  ``flash_attn``
+  reads positions statically, which ``local_attention``'s ``custom_vjp`` traces: its
+  ``fwd`` and ``bwd`` are called directly (eagerly, NumPy positions) on general tiles.
 * ``sweep``: Pallas block sizes / warps at S = 16k, bf16, causal and not (picks defaults).
 * ``bench``: forward and forward+backward TFLOP/s of ``xla``, ``pallas``,
   ``flash_attn`` (when importable) and cuDNN (``jax.nn.dot_product_attention(

@@ -188,14 +188,14 @@ def test_causal_ring_runs_on_flash_attn_through_tile_kinds(stand_in):
                       kernel="flash_attn")
 
 
-def test_benchmark_check_reaches_general_tiles(stand_in):
+def test_benchmark_check_reaches_general_tiles(stand_in, monkeypatch):
     """``benchmarks/kernels.py --phases check`` runs flash_attn's general tiles (static
     positions: its fwd and bwd called as ``local_attention`` calls them), not only the
     aligned ones: under JAX 0.11 every position reached through ``custom_vjp`` is traced,
     and the check refused these cases.  Segment ids still reach the backend, which
     refuses them."""
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import kernels as kb
 
     rows = kb.check({"flash_attn": FlashAttnKernel()}, [D], ["bfloat16"],
