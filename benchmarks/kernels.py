@@ -132,8 +132,7 @@ CHECK_CASES = {
     # documents of ~256 tokens: whole key blocks in one document as well as cut ones,
     # so the backward's every mask class runs (MgpuConfig.mask_classes)
     "segments_long": (1, 768, 768, 4, 2, "contiguous", True, None, True),
-    # documents of ~1.4k tokens: past pallas_mgpu_docs.ANCHOR_TOKENS, so doc_blocks_bwd
-    # lays blocks from their first tokens (rarely multiples of 8) and stores partial ones
+    # documents of ~1.4k tokens, each over many key blocks and query steps
     "segments_regions": (2, 4096, 4096, 4, 2, "contiguous", True, None, True),
     # keys not a multiple of any kernel's block, every score far below exp's range
     "ragged_low_scores": (1, 200, 200, 4, 2, "contiguous", True, None, False, "low"),

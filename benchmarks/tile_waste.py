@@ -20,10 +20,7 @@ Four numbers per kernel:
 * ``halves per document``: each CTA's two consumer blocks (64 rows each) paired within a
   document (``half_block_ctas``), so that every consumer stores a whole block of its own
   or nothing; a document's last CTA may hold one block, counted at its own pairs or at a
-  whole CTA's;
-* (backward) ``doc lists``: the tiles of ``MgpuConfig.doc_blocks_bwd``'s lists
-  (``pallas_mgpu_docs``: blocks from each document of ``ANCHOR_TOKENS`` or more, their
-  loads on multiples of 8 rows).
+  whole CTA's.
 
 Both are given as computed pairs over useful pairs (a causal document of ``L`` tokens
 has ``L (L + 1) / 2``), on the bar's documents (``benchmarks/packed.py``: log-normal
@@ -144,17 +141,6 @@ def half_block_pairs(lens, S: int, half: int, step: int, keys_held: bool) -> tup
     return int(own), int(two)
 
 
-def doc_list_tiles(seg, rows: int, cols: int) -> int:
-    """Tiles of the fused backward's per-document lists (``pallas_mgpu_docs``) for one
-    packed causal row ``seg`` ``[S]``: key blocks of ``rows``, query steps of ``cols``."""
-    from jax_seqpar.kernels.pallas_mgpu_docs import doc_tile_lists
-    S = seg.shape[0]
-    pos = jnp.arange(S, dtype=jnp.int32)
-    s = jnp.asarray(seg, jnp.int32)[None]
-    tbl, _ = doc_tile_lists(MaskSpec(causal=True), pos[None], pos, s, s, S, S, cols, rows)
-    return int(np.asarray(tbl[..., 0]).sum())
-
-
 def waste(lens, S: int, head_dim: int = 128) -> dict:
     """Computed over useful pairs for the forward and the fused backward's tiles."""
     cfg = DEFAULT_MGPU_CONFIGS[head_dim]
@@ -177,8 +163,7 @@ def waste(lens, S: int, head_dim: int = 128) -> dict:
                       steps_per_document=streamed_per_document_pairs(
                           lens, S, bwd_r, bwd_c, True) / useful,
                       halves_per_document=[x / useful for x in half_block_pairs(
-                          lens, S, bwd_r // 2, bwd_c, True)],
-                      doc_lists=doc_list_tiles(seg, bwd_r, bwd_c) * bwd_r * bwd_c / useful))
+                          lens, S, bwd_r // 2, bwd_c, True)]))
 
 
 def main(argv=None) -> int:
@@ -203,9 +188,7 @@ def main(argv=None) -> int:
               f"useful {r['aligned']:.4f} as listed, {r['per_document']:.4f} per document, "
               f"{r['steps_per_document']:.4f} with only the steps per document, "
               f"{r['halves_per_document'][0]:.4f}-{r['halves_per_document'][1]:.4f} with "
-              f"halves paired per document"
-              + (f", {r['doc_lists']:.4f} in doc_blocks_bwd's lists" if "doc_lists" in r
-                 else ""))
+              f"halves paired per document")
     path = os.path.join(out_dir(), f"tile_waste_{S}_{mean}"
                         + (f"_r{args.round_docs}" if args.round_docs else "") + ".json")
     with open(path, "w") as fh:

@@ -58,7 +58,6 @@ def _request(**kw):
     (dict(split_dq=True), "needs atomic_dq=True"),
     (dict(atomic_dq=True, row_scores=True), "needs atomic_dq=True and split_dq=True"),
     (dict(dv_with_dp=1), "must be a bool"),
-    (dict(atomic_dq=True, split_dq=True, doc_blocks_bwd=True), "needs row_scores=True"),
 ])
 def test_config_is_validated(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -445,7 +444,7 @@ _SPLIT_DQ_VARIANTS = [
     dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False),
     dict(atomic_dq=True, split_dq=True, row_scores=True, early_dq=False, dv_with_dp=False),
     dict(atomic_dq=True, split_dq=True, row_scores=True, dv_with_dp=False,
-         doc_order_bwd=True, doc_blocks_bwd=True),
+         doc_order_bwd=True),
     dict(atomic_dq=True, split_dq=True, row_scores=True, tma_zero_dq=False)]
 
 
@@ -588,51 +587,6 @@ def test_tma_zeros_lower_to_one_loop_of_stores(shape, rows, monkeypatch):
     assert "nvvm.cp.async.bulk.wait_group" in mod
     with pytest.raises(ValueError, match=r"shape \(1, 3, 7, 128\)"):
         _lowered(lambda a: pallas_mgpu_bwd.tma_zeros((1, 3, 7, 128), a), after)
-
-
-@pytest.mark.parametrize("seg,skip,want", [(True, True, True), (True, False, False),
-                                           (False, True, False)])
-def test_backward_lays_blocks_per_document(seg, skip, want, monkeypatch):
-    """``MgpuConfig.doc_blocks_bwd``: with segment ids (and ``segment_skip``) the fused
-    kernel gets ``pallas_mgpu_docs``'s lists, a row per block the documents can need
-    (its grid), and positions and ids padded a block past the rows; else the lists of
-    blocks on multiples."""
-    from jax_seqpar.kernels import pallas_mgpu_bwd
-    from jax_seqpar.kernels.pallas_mgpu_docs import max_blocks
-    seen = []
-    real = pallas_mgpu_bwd.fused_call
-
-    def spy(tbl, order, *a, docs=False, **k):
-        seen.append((docs, tbl.shape, order.shape, a[6].shape, a[7].shape))
-        return real(tbl, order, *a, docs=docs, **k)
-    monkeypatch.setattr(pallas_mgpu_bwd, "fused_call", spy)
-    T = 2048
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], atomic_dq=True, split_dq=True,
-                              row_scores=True, dv_with_dp=False, doc_blocks_bwd=True,
-                              segment_skip=skip)
-    q = SDS((1, T, 2, 128), BF16)
-    segs = [SDS((1, T), jnp.int32)] * 2 if seg else []
-    _traced(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
-        q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg),
-        q, q, q, q, SDS((1, 2, T), jnp.float32), q, *[SDS((T,), jnp.int32)] * 2, *segs)
-    [(docs, tbl, order, qpos, kpos)] = seen
-    assert docs == want
-    rows = max_blocks(T, 128) if want else T // 128
-    assert tbl[1] == rows and order == (1, rows)
-    assert (qpos, kpos) == (((1, T + 64), (T + 128,)) if want else ((1, T), (T,)))
-
-
-def test_backward_per_document_needs_equal_stage_halves():
-    """The partial stores' stage shares each consumer's dQ half; other block sizes are
-    refused with the fields named."""
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], atomic_dq=True, split_dq=True,
-                              row_scores=True, doc_blocks_bwd=True, block_q_bwd=128)
-    q = SDS((1, 512, 2, 128), BF16)
-    with pytest.raises(ValueError, match="doc_blocks_bwd.*block_q_bwd"):
-        _traced(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(
-            q, k, v, o, l, do, qp, kp, MaskSpec(causal=True), 0.1, *s, config=cfg),
-            q, q, q, q, SDS((1, 2, 512), jnp.float32), q, *[SDS((512,), jnp.int32)] * 2,
-            *[SDS((1, 512), jnp.int32)] * 2)
 
 
 @pytest.mark.parametrize("D,kw", [

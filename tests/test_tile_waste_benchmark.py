@@ -105,24 +105,3 @@ def test_main_writes_the_ratios(tmp_path, monkeypatch, capsys):
     for k in ("forward", "backward"):
         assert res[k]["aligned"] == pytest.approx(res[k]["per_document"])
 
-
-@pytest.mark.parametrize("lens", [[100, 250, 162], [1100, 37, 1300]])
-def test_doc_list_tiles_are_the_owned_tiles_with_a_visible_pair(lens):
-    """The per-document lists hold exactly the (key block, query step) tiles whose owned
-    rows hold a visible pair (the blocks of ``pallas_mgpu_docs.doc_blocks``)."""
-    import jax.numpy as jnp
-    from jax_seqpar.kernels.pallas_mgpu_docs import doc_blocks
-    S = sum(lens)
-    seg = np.asarray(packed.packed_ids(lens, S))
-    blocks = {}
-    for size in (128, 64):
-        first, lo, hi = (np.asarray(x)[0] for x in doc_blocks(jnp.asarray(seg)[None], S,
-                                                                size))
-        blocks[size] = [np.arange(f + a, f + z) for f, a, z in zip(first, lo, hi) if z > a]
-    want = 0
-    for k in blocks[128]:
-        for q in blocks[64]:
-            want += bool(((seg[q][:, None] == seg[k][None, :]) & (k[None, :] <= q[:, None]))
-                         .any())
-    assert tile_waste.doc_list_tiles(seg, 128, 64) == want
-

@@ -44,8 +44,7 @@ from jax_seqpar.kernels.pallas_mgpu_common import (DEFAULT_MGPU_CONFIGS, SMEM_LI
 
 FWD_FIELDS = ("block_q", "block_kv", "num_stages", "overlap_fwd")
 BWD_FIELDS = ("block_q_bwd", "block_kv_bwd", "num_stages_bwd", "block_kv_dq", "atomic_dq",
-              "split_dq", "overlap_bwd", "dv_with_dp", "row_scores", "doc_order_bwd",
-              "doc_blocks_bwd")
+              "split_dq", "overlap_bwd", "dv_with_dp", "row_scores", "doc_order_bwd")
 MASKS = ("none", "causal", "segments")
 TILES = ("dense", "aligned", "general")
 TABLE_PATH = Path(__file__).with_name("mgpu_tuned.json")

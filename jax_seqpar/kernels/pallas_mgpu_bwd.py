@@ -68,7 +68,6 @@ from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load
                                                    tile_visible, traced)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq)
-from jax_seqpar.kernels.pallas_mgpu_docs import doc_tile_lists
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
 from jax_seqpar.kernels.xla import attention_delta
 from jax_seqpar.masks import MaskSpec
@@ -570,28 +569,17 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
     if config.row_scores:  # the fused kernel, scores by row: classes as the dQ kernel's
         classes_dkdv = bool(seg_kw) and config.mask_classes
-    docs = config.doc_blocks_bwd and config.row_scores and bool(seg_kw)
-    if docs:  # blocks from each document's first token (pallas_mgpu_docs)
-        tbl_t, order_t = doc_tile_lists(mask, q_pos, kv_pos, *segs, Tq, Tk, bq, 2 * bk,
-                                        anchor=config.doc_anchor_bwd)
-        # a step's rows and a CTA's keys may run one block past the padded ends
-        q_pos, kv_pos = _pad_to(q_pos, 1, Lq + bq, edge=True), _pad_to(kv_pos, 0, Lk + 2 * bk,
-                                                                       edge=True)
-        segs = (_pad_to(segs[0], 1, Lq + bq, edge=True),
-                _pad_to(segs[1], 1, Lk + 2 * bk, edge=True))
-    else:
-        tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
-                           classes=classes_dkdv, **seg_kw)
-        order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv)
-                   if config.doc_order_bwd and has_seg else cta_order(tbl_t))
+    tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
+                       classes=classes_dkdv, **seg_kw)
+    order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv)
+               if config.doc_order_bwd and has_seg else cta_order(tbl_t))
     if config.atomic_dq:
         dq_acc = jax.new_ref((tma_zeros if config.tma_zero_dq else zeroed_dq)(
             (B, Lq, Hq, D), dl))
         args = (tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos, *segs)
         if config.row_scores:
             dk, dv = fused_call(*args, dq_acc, mask=mask, scale=scale, masked=masked_kv,
-                                config=config, classes=classes_dkdv or docs, docs=docs,
-                                Tk=Tk)
+                                config=config, classes=classes_dkdv, Tk=Tk)
         else:
             dk, dv = _dkdv_call(*args, mask=mask, scale=scale, masked=masked_kv,
                                 config=config, dq_acc=dq_acc, Tk=Tk)

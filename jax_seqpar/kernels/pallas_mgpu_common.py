@@ -32,7 +32,7 @@ BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_ti
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
                "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "doc_blocks_bwd", "tma_zero_dq")
+               "early_exit", "doc_order_bwd", "tma_zero_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,19 +194,12 @@ class MgpuConfig:
     the wall clock -0.2 to -2.3, inside that clock's spread); the H200's D 128 segments
     entry takes it.  The two-kernel dK/dV kernel, grouped by document from the segment
     ids, read 0.5-2.5% slower on 2026-11-28; it was not measured with this order.
-    ``doc_blocks_bwd`` (the fused kernel of ``row_scores``, with segment ids and
-    ``segment_skip``): its key blocks and query steps are laid from each long document's
-    first token (``pallas_mgpu_docs``) instead of on multiples of their size, so no tile
-    holds the end of one document and the start of the next; a CTA stores only its live
-    rows of dK and dV, and its lists launch by document (``doc_order_bwd``'s order).
-    ``doc_anchor_bwd``: the tokens a document needs to have its own blocks (the others
-    join the blocks before them); it bounds the extra CTAs to one per that many tokens.
-    Checked against the float32 oracle on one H200, but slower: on the bar's packed
-    documents at 64k its lists hold 1.6% fewer tiles, and the kernel took 8.92 ms
-    against 8.62 (ptxas spills 284 bytes a thread against 132: the tests of the rows a
-    block owns), so off (RESULTS.md, "The fused backward's blocks laid per document").
-    Moving those tests into a mask class of their own made it worse (376 bytes; RESULTS.md,
-    "dQ zeroed by TMA stores; the ownership tests as a class of their own").
+    ``doc_blocks_bwd`` (taken out after 379e81a, where its code is): the
+    fused kernel's blocks laid from each long document's first token, so that no tile
+    holds two documents.  Correct, but slower on one H200: 1.6% fewer tiles on the bar's
+    packed documents at 64k, and the kernel took 8.92 ms against 8.62 (ptxas spills 284
+    bytes a thread against 132: the tests of the rows a block owns; RESULTS.md, "The
+    fused backward's blocks laid per document").
     ``tma_zero_dq`` (the atomic-dQ kernels; on): the float32 dQ they add into is zeroed
     by a Mosaic GPU kernel of TMA stores from one zeroed shared-memory block per CTA
     (``pallas_mgpu_bwd.tma_zeros``) instead of by XLA's broadcast kernel (``zeroed_dq``).
@@ -244,8 +237,6 @@ class MgpuConfig:
     early_dq: bool = True
     early_exit: bool = True
     doc_order_bwd: bool = False
-    doc_blocks_bwd: bool = False
-    doc_anchor_bwd: int = 1024
     tma_zero_dq: bool = True
 
     def __post_init__(self):
@@ -262,9 +253,6 @@ class MgpuConfig:
             raise ValueError("MgpuConfig.persistent=True runs its producer as a warpgroup "
                              "(its loop over items is a while loop, which Mosaic GPU does "
                              "not lower in a single warp); set warp_producer=False")
-        if self.doc_blocks_bwd and not self.row_scores:
-            raise ValueError("MgpuConfig.doc_blocks_bwd=True needs row_scores=True (only the "
-                             "fused backward lays its blocks per document)")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")

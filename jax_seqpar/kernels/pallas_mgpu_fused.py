@@ -54,70 +54,54 @@ from jax import lax
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    keys_before, step_index, tile_visible)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
-                                                 reduce_add_dq, step_rows)
+                                                 reduce_add_dq)
 from jax_seqpar.masks import MaskSpec
 
 
 def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, dq_acc,
                *, mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               classes: bool = False, docs: bool = False, Tk: int | None = None):
+               classes: bool = False, Tk: int | None = None):
     """``(dk, dv)`` in the input dtype; ``dS K`` (dQ before its scale) is added into the
     float32 Ref ``dq_acc`` ``[B, Lq, Hq, D]``.  Arguments as ``pallas_mgpu_bwd.
     _dkdv_call``'s; ``tbl``: the transposed tile lists, sorted by mask class if
-    ``classes``, or (``docs``: ``MgpuConfig.doc_blocks_bwd``) ``pallas_mgpu_docs``'s
-    lists, whose blocks own part of the rows they load: a step's other rows get ``P = 0``
-    (their lse folded to ``+inf`` in every masked class), and in the ``"pair"`` class the
-    CTA's other keys are masked too.  The positions and ids must then run a step
-    (queries) and a CTA (keys) past their padded ends.
+    ``classes``.
 
     ``Tk``: the keys before padding.  Keys past it (K and V zero, positions and ids the
     last key's) are masked in every position-tested class, which holds each CTA whose
     keys run past ``Tk`` (``pallas_common.tile_lists``: such a tile is never whole):
     else a padded key's ``P = exp2(0 - lse2)`` overflows for a query row whose lse is
-    below about -88, and ``inf * 0`` puts NaN into dQ.  ``masked`` must then be true.
-    (``docs`` lists hold no padded key outside their ``"pair"`` class, which tests each
-    key against the rows its block owns, all of them below ``Tk``.)"""
+    below about -88, and ``inf * 0`` puts NaN into dQ.  ``masked`` must then be true."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     D, g, dtype, bq, bk, stages = kv_shapes(q, k, config, split="row_scores")
     has_seg = q_seg is not None
     half = D // 2
     c = scale * LOG2E
-    pad_keys = Tk is not None and Tk % (2 * bk) != 0 and not docs
+    pad_keys = Tk is not None and Tk % (2 * bk) != 0
     if pad_keys and not masked:
         raise ValueError(f"fused_call: keys padded past Tk={Tk} need masked=True")
     ROW, COL, WGMMA = (plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0),
                        plgpu.Layout.WGMMA)
 
-    def make_step(refs, scoped, cta, row0, kw, keys=None):
+    def make_step(refs, scoped, cta, row0, kw):
         (tbl_ref, _, q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, qpos_ref, kvpos_ref,
          qseg_ref, kvseg_ref, dq_ref, _, _) = refs
         (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, p_smem, ds_smem, dq_smem), \
             (kv_ready, q_ready, do_ready, lse_ready, dl_ready), (q_free, do_free, ds_ready) \
             = scoped
-        if docs:  # dQ's halves share their memory with the stores' stage
-            dq_smem = list(dq_smem)[0]
         b, kvh, blk, wg, count, n_full = cta
         first = row0 - wg * bk  # the CTA's first key row
         if masked:
             kpos = _load(kvpos_ref.at[pl.ds(row0, bk)], COL)
             kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], COL) if has_seg else None
 
-        def row_lse(lse, start, own, mode):
-            """lse, or +inf where P must be 0: (the CTA's keys are one document) for the
-            queries of another document, and (``docs``) for the rows the step does not
-            own (``own``: its first and end, from its first row)."""
-            if mode is None:
+        def row_lse(lse, start, mode):
+            """lse, or (the CTA's keys are one document) +inf where P must be 0: for the
+            queries of another document."""
+            if mode is None or mode[1] != "fold":
                 return lse
-            ok = None
-            if docs:
-                r = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=ROW)
-                ok = (r >= own[0]) & (r < own[1])
-            if mode[1] == "fold":
-                qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW)
-                same = qseg == kvseg_ref[b, first]
-                ok = same if ok is None else ok & same
-            return lse if ok is None else jnp.where(ok, lse, jnp.inf)
+            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW)
+            return jnp.where(qseg == kvseg_ref[b, first], lse, jnp.inf)
 
         def visible(start, mode):
             """The tile's mask (None: all visible) from the tests ``mode`` names."""
@@ -128,10 +112,6 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             pair = seg == "pair"
             qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], ROW) if pair else None
             extra = None
-            if docs and pair:  # keys the CTA loads but does not own (as a row vector
-                # broadcast, ptxas spilled more: 380 bytes a thread against 284)
-                col = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + row0
-                extra = (col >= keys[0]) & (col < keys[1])
             if pad_keys and pos:  # position-proved tiles hold no padded key
                 extra = keys_before(Tk, row0, (bq, bk), 1)
             return tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
@@ -143,11 +123,8 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             slot = lax.rem(j, jnp.int32(stages))
             par = lax.rem(j, jnp.int32(2))
             token = tbl_ref[b, blk, t + 2]
-            start, *own = step_rows(token, bq, docs)
-            # descriptors formed in the step: no spills.  (From the entry as loaded: the
-            # row a pallas_mgpu_docs entry holds is a logical shift, so the compiler knows
-            # it is not negative, folded the test and spilled 1.3-1.5 KB a thread: RESULTS.md)
-            w_own = step_index(wg, token)
+            start = token * bq
+            w_own = step_index(wg, token)  # descriptors formed in the step: no spills
             kt, vt = k_smem.at[w_own], v_smem.at[w_own]
             pt = p_smem.at[w_own]
             plgpu.barrier_wait(q_ready.at[slot])
@@ -178,7 +155,7 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
             def lse_row():
                 plgpu.barrier_wait(lse_ready.at[slot])
-                return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, own, mode)
+                return row_lse(_load(lse_smem.at[slot], ROW, gmem=False), start, mode)
 
             if config.dv_with_dp:  # S alone, then dP and dV together
                 def s_fn(s_ref):
@@ -251,18 +228,10 @@ def fused_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
 
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-    dq_halves = plgpu.SMEM((2, bq, half), F32, transforms=swz32)
-    if docs and bk * jnp.dtype(dtype).itemsize != 2 * bq:
-        raise ValueError(
-            f"MgpuConfig.doc_blocks_bwd=True stores a consumer's partial dK and dV through "
-            f"its dQ half-block, which must be as large: block_kv_bwd={bk} keys of "
-            f"{jnp.dtype(dtype).name} and block_q_bwd={bq} do not match")
-    if docs:  # a partial CTA's dK and dV leave through an unswizzled stage (its dQ's)
-        dq_halves = plgpu.RefUnion(dq_halves, plgpu.SMEM((2, bk, D), dtype))
     extra = (plgpu.SMEM((2, bq, bk), dtype, transforms=swz),       # P, per consumer
              plgpu.SMEM((2, 2, bq, bk), dtype, transforms=swz),    # dS, parity x consumer
-             dq_halves)                                            # dQ halves
+             plgpu.SMEM((2, bq, half), F32, transforms=swz32))     # dQ halves
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
         dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=True,
-        extra_smem=extra, docs=docs)
+        extra_smem=extra)

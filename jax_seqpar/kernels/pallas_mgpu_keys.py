@@ -16,15 +16,13 @@ import jax.numpy as jnp
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, MgpuConfig, _plgpu,
                                                    compiler_params, on_producer_warps,
                                                    row_loops, traced)
-from jax_seqpar.kernels.pallas_mgpu_docs import ALIGN, cta_fields, entry_rows
 
 
-def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free,
-                   docs: bool = False):
+def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready, free):
     """The producer of a key-stationary backward kernel (dK/dV, the fused one): for each
     of the ``g`` query heads of the GQA group and each of the CTA's ``count`` query
-    blocks (the t-th is entry ``t`` of tile-list row ``blk``: a block index, or with
-    ``docs`` a step of ``pallas_mgpu_docs``, its first row), the blocks of Q and dO and
+    blocks (the t-th is entry ``t`` of tile-list row ``blk``, a block index), the blocks
+    of Q and dO and
     the rows of lse and delta into a ring of ``stages`` slots, each slot's Q (with lse and
     delta) and dO refilled once the consumers have freed it.  ``refs``, ``smem`` and
     ``ready``: (Q, dO, lse, delta) in global memory, their rings and "landed" barriers;
@@ -43,7 +41,7 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
         hh = lax.div(j, count)
         t = j - hh * count
         qh = kvh * g + hh
-        start = step_rows(tbl_ref[b, blk, t + 2], bq, docs)[0]
+        start = tbl_ref[b, blk, t + 2] * bq
         rows = (b, pl.ds(start, bq), qh)
 
         @pl.when(j >= stages)
@@ -59,29 +57,6 @@ def produce_q_ring(tbl_ref, b, blk, count, g, kvh, bq, stages, refs, smem, ready
         def _():
             plgpu.barrier_wait(do_free.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-
-
-def step_rows(entry, bq: int, docs: bool):
-    """``(first, lo, hi)`` of a tile-list entry: the step loads query rows ``first ..
-    first + bq`` and owns ``first + lo .. first + hi``: block ``entry`` of ``bq`` rows (all
-    owned), or (``docs``) a ``pallas_mgpu_docs`` entry's."""
-    import jax.experimental.pallas as pl
-    if docs:
-        first, lo, hi = entry_rows(entry)
-        return pl.multiple_of(first, ALIGN), lo, hi
-    return entry * bq, 0, bq
-
-
-def cta_rows(tbl_ref, b, blk, bk: int, docs: bool):
-    """``(first, lo, hi)`` of CTA ``blk``: it loads keys ``first .. first + 2 * bk`` and
-    owns ``first + lo .. first + hi``: on blocks on multiples of their size all of them,
-    or (``docs``) as the two fields of a ``pallas_mgpu_docs`` row say."""
-    import jax.experimental.pallas as pl
-    if not docs:
-        return blk * (2 * bk), 0, 2 * bk
-    n = tbl_ref.shape[-1]
-    first, lo, hi = cta_fields(tbl_ref[b, blk, n - 5], tbl_ref[b, blk, n - 4])
-    return pl.multiple_of(first, ALIGN), lo, hi
 
 
 def kv_shapes(q, k, config: MgpuConfig, split: str | None = None):
@@ -176,36 +151,6 @@ def store_dkdv(kw, vw, dk, dv, scale: float, dtype, dk_ref, dv_ref, rows,
     plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
 
-#: Row boxes of a partial store (``store_live_rows``), largest first.
-_BOXES = (128, 64, 32, 16, 8, 4, 2, 1)
-
-
-def store_live_rows(stage, dk, dv, scale: float, dtype, dk_ref, dv_ref, b, row0, kvh,
-                    lo, hi, read_only: bool = False) -> None:
-    """(``MgpuConfig.doc_blocks_bwd``) Rows ``lo .. hi`` of a consumer's dK (times
-    ``scale``) and dV (fewer than its ``bk``): the others belong to another CTA.  Each
-    goes through ``stage``, an unswizzled ``[bk, D]`` block in shared memory (a swizzled
-    one slices by 8 rows), and out in TMA boxes of a power of two rows, largest first,
-    each where the one before ended (a box's size is static; its start and a predicate
-    are not), dV once dK's boxes have been read."""
-    import jax.experimental.pallas as pl
-    plgpu = _plgpu()
-    bk = stage.shape[0]
-    for dst, x in ((dk_ref, (dk * scale).astype(dtype)), (dv_ref, dv.astype(dtype))):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage's last reads done
-        stage[...] = x
-        plgpu.commit_smem()
-        at = lo
-        for size in _BOXES:
-            if size >= bk:
-                continue
-            fits = at + size <= hi
-            plgpu.copy_smem_to_gmem(stage.at[pl.ds(at, size)],
-                                    dst.at[b, pl.ds(row0 + at, size), kvh], predicate=fits)
-            at = at + jnp.where(fits, size, 0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
-
-
 def reduce_add_dq(dqw, dq, dst) -> None:
     """A consumer's float32 dQ block (or half-block) ``dq`` added into global ``dst`` with
     a TMA reduce-add through its shared-memory block ``dqw``, once the previous step's
@@ -218,7 +163,7 @@ def reduce_add_dq(dqw, dq, dst) -> None:
 
 
 def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, refs,
-                    scoped, docs: bool = False) -> None:
+                    scoped) -> None:
     """The producer warpgroup: registers given back, then ``produce_q_ring`` from one warp
     or all four (``on_producer_warps``).  ``refs``: Q, dO, lse and delta in global
     memory; ``scoped``: the kernel's ``(smem, ready, free)`` as ``kv_stationary_scratch``
@@ -228,7 +173,7 @@ def q_ring_producer(one_warp: bool, tbl_ref, b, blk, count, g, kvh, bq, stages, 
     _plgpu().set_max_registers(24, action="decrease")
     on_producer_warps(one_warp, lambda: produce_q_ring(
         tbl_ref, b, blk, count, g, kvh, bq, stages, refs, tuple(smem[2:6]),
-        tuple(ready[1:5]), tuple(free[:2]), docs))
+        tuple(ready[1:5]), tuple(free[:2])))
 
 
 def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: bool,
@@ -249,8 +194,7 @@ def key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg: bool, classes: b
 def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_acc=None):
     """Run ``entry`` over one CTA per (key/value head, tile-list row, batch row) with three
     warpgroups; ``args``: the ten leading operands (the tile lists first: a row per block
-    of ``2 * bk`` keys, or per ``pallas_mgpu_docs`` block), then the segment ids if
-    given; ``shape``: ``(B, Lk, Hkv, D)`` of K, and of the dK and dV it returns in
+    of ``2 * bk`` keys), then the segment ids if given; ``shape``: ``(B, Lk, Hkv, D)`` of K, and of the dK and dV it returns in
     ``dtype``.
     ``dq_acc``: a float32 Ref the kernel adds dQ into (``pl.kernel`` on a Mosaic GPU mesh
     takes Ref operands; ``plgpu.kernel``'s batching wrapper does not)."""
@@ -271,7 +215,7 @@ def launch_kv_stationary(entry, args, q_seg, kv_seg, shape, dtype, bk: int, dq_a
 
 def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: MgpuConfig,
                          scale: float, masked: bool, classes: bool, split: bool,
-                         extra_smem=(), docs: bool = False):
+                         extra_smem=()):
     """The key-stationary backward kernel around a consumer's step (dK/dV, fused): each
     CTA's consumers load their K and V blocks (``start_consumer``), run ``step`` over
     their tile-list row for each query head of the group (``key_block_grads``), meet once
@@ -286,14 +230,7 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
     absent ids or dQ), its ``(smem, ready, free)`` (``kv_stationary_scratch``'s blocks,
     then ``extra_smem``; with ``split``, a third "free" barrier pair: dS stored), the
     CTA's ``kv_cta``, the consumer's first key row and its K block; it returns ``step(t,
-    carry, hh, mode) -> (dk, dv)``.
-
-    ``docs`` (``MgpuConfig.doc_blocks_bwd``): the lists are ``pallas_mgpu_docs``'s, so a
-    CTA's keys start at the row its list row names and only the rows it owns are stored
-    (``store_live_rows`` for a consumer that owns some of its rows); ``make_step`` also
-    gets ``keys=``, the first and the end of those rows, and the last of ``extra_smem``
-    must be a ``plgpu.RefUnion`` whose second member is the unswizzled ``[2, bk, D]``
-    stage, each consumer's half over its own dQ block."""
+    carry, hh, mode) -> (dk, dv)``."""
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     q, k = args[2], args[3]
@@ -308,42 +245,27 @@ def kv_stationary_kernel(make_step, args, q_seg, kv_seg, dq_acc, *, config: Mgpu
         dk_ref, dv_ref = refs[-2:]
         smem, ready, free = scoped
         cta = b, kvh, blk, wg, count, n_full = kv_cta(tbl_ref, order_ref, masked)
-        first, klo, khi = cta_rows(tbl_ref, b, blk, bk, docs)
+        first = blk * (2 * bk)  # the CTA's first key row
 
         @pl.when(wg < 2)
         def _consumer():
             with jax.named_scope("load"):  # trace regions (pallas_mgpu_common.TRACE_ENV)
                 row0, kw, vw = start_consumer(k_ref, v_ref, smem[0], smem[1], ready[0], b,
                                               first, bk, kvh, wg)
-            keys = dict(keys=(first + klo, first + khi)) if docs else {}
-            step = traced("step")(make_step(refs, scoped, cta, row0, kw, **keys))
+            step = traced("step")(make_step(refs, scoped, cta, row0, kw))
             with jax.named_scope("dkdv_rows"):
                 dk, dv = key_block_grads(tbl_ref, b, blk, n_full, count, g, has_seg,
                                          classes, masked, step, (bk, D))
             with jax.named_scope("out"):
                 if split:
                     ds_ready_once_more(free[2], g, count)
-                store = lambda: store_dkdv(  # noqa: E731
-                    kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref, (b, pl.ds(row0, bk), kvh),
-                    read_only=config.early_exit)
-                if not docs:
-                    store()
-                else:
-                    lo = jnp.clip(first + klo - row0, 0, bk)  # this consumer's own rows
-                    hi = jnp.clip(first + khi - row0, 0, bk)
-                    whole = (lo == 0) & (hi == bk)
-                    pl.when(whole)(store)
-                    stage = list(smem[-1])[1].at[wg]
-
-                    @pl.when(~whole & (hi > lo))
-                    def _():
-                        store_live_rows(stage, dk, dv, scale, dtype, dk_ref, dv_ref, b,
-                                        row0, kvh, lo, hi, read_only=config.early_exit)
+                store_dkdv(kw, vw, dk, dv, scale, dtype, dk_ref, dv_ref,
+                           (b, pl.ds(row0, bk), kvh), read_only=config.early_exit)
 
         @pl.when(wg == 2)
         def _producer():
             q_ring_producer(config.warp_producer_bwd, tbl_ref, b, blk, count, g, kvh, bq,
-                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped, docs)
+                            stages, (refs[2], refs[5], refs[6], refs[7]), scoped)
 
     n_in = 10 + 2 * has_seg
 
