@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 
 import jax_seqpar as jsp
 from jax_seqpar.runtime import _compat
-from jax_seqpar.kernels import pallas_mgpu, pallas_mgpu_fwd, pallas_mgpu_sched
+from jax_seqpar.kernels import pallas_mgpu, pallas_mgpu_fwd
 from jax_seqpar.kernels.base import (TILE_ALIGNED, TILE_DENSE, TILE_GENERAL, KernelRequest,
                                      get_kernel)
 from jax_seqpar.kernels.pallas_common import tile_lists
@@ -996,110 +996,6 @@ def test_benchmark_check_kernels_refuses_names_it_cannot_run():
                 as e:
             kb.check_kernels_for(avail, bad)
         assert "available: flash_attn, pallas, xla" in str(e.value)
-
-
-# --------------------------------------------------------------------------- persistent
-def _hand_out(n_items, n_sm, durations, seed):
-    """A model of ``pallas_mgpu_sched``'s protocol: CTA ``sm`` starts on item ``sm``; at
-    the start of each item its producer takes the next ticket (``n_sm`` plus the counter's
-    old value); a CTA stops at an item at or past ``n_items``.  CTAs finish items in an
-    order set by ``durations`` and random ties.  Returns each CTA's items and the
-    counter's final value."""
-    rng = np.random.default_rng(seed)
-    counter, clock = 0, {}
-    served = {sm: [] for sm in range(n_sm)}
-    current = {sm: sm for sm in range(n_sm) if sm < n_items}
-    for sm, item in current.items():
-        clock[sm] = durations(item) + rng.random() * 1e-3
-    while current:
-        sm = min(current, key=lambda c: clock[c])
-        item = current[sm]
-        nxt = n_sm + counter  # taken at the item's start, published to the consumers
-        counter += 1
-        served[sm].append(item)
-        if nxt < n_items:
-            current[sm] = nxt
-            clock[sm] += durations(nxt) + rng.random() * 1e-3
-        else:
-            del current[sm]
-    return served, counter
-
-
-@pytest.mark.parametrize("n_items,n_sm", [(1, 1), (4, 4), (11, 4), (12, 4), (17, 3),
-                                          (2112, 132), (5000, 132)])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tickets_serve_every_item_once_in_launch_order(n_items, n_sm, seed):
-    """``persistent``'s dynamic schedule: every item once; each CTA's items in increasing
-    order; the items handed out in launch order (by ticket), so at any moment the
-    running items are the launch order's next ones; every CTA takes one ticket past the
-    end, so the counter ends at ``n_items`` (a grid of ``min(n_sm, n_items)``)."""
-    n_sm = min(n_sm, n_items)  # as _fwd_call launches
-    lengths = np.random.default_rng(seed).lognormal(0.0, 1.0, n_items)
-    served, counter = _hand_out(n_items, n_sm, lambda item: lengths[item], seed)
-    flat = sorted(i for items in served.values() for i in items)
-    assert flat == list(range(n_items))
-    for items in served.values():
-        assert items == sorted(items)
-    assert counter == n_items  # n_items - n_sm tickets served, n_sm ended loops
-
-
-def test_item_index_is_the_grids_order():
-    """Flat items run heads fastest, then launch slots, then batch rows, as the grid
-    ``(Hq, nq, B)`` of the per-item kernel launches."""
-    nq, Hq, B = 3, 2, 2
-    items = [pallas_mgpu_sched.item_index(i, nq, Hq) for i in range(B * nq * Hq)]
-    assert items == [(b, j, h) for b in range(B) for j in range(nq) for h in range(Hq)]
-
-
-def test_ticket_slots():
-    assert [int(pallas_mgpu_sched.ticket_slot(jnp.int32(w))) for w in range(9)] == \
-        [w % pallas_mgpu_sched.TICKET_SLOTS for w in range(9)]
-
-
-def test_persistent_forward_config_and_shared_memory():
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True, warp_producer=False)
-    base = DEFAULT_MGPU_CONFIGS[128]
-    # two query blocks a consumer
-    assert forward_smem_bytes(cfg, 128, BF16) - forward_smem_bytes(base, 128, BF16) == \
-        2 * base.block_q * 128 * 2
-    assert forward_smem_bytes(cfg, 128, BF16) <= SMEM_LIMIT
-    with pytest.raises(ValueError, match="persistent=True runs the unpipelined forward"):
-        MgpuConfig(persistent=True, overlap_fwd=True)
-    with pytest.raises(ValueError, match="persistent=True runs its producer as a warpgroup"):
-        MgpuConfig(persistent=True, warp_producer=True)
-
-
-@pytest.mark.parametrize("T,seg,tile", [(512, False, TILE_ALIGNED), (384, True, TILE_ALIGNED),
-                                        (300, False, TILE_GENERAL), (448, True, TILE_GENERAL),
-                                        (256, False, TILE_DENSE)])
-def test_persistent_forward_lowers(T, seg, tile, monkeypatch):
-    """One CTA per SM over the items: computed causal rows, packed documents' lists, ragged
-    general tiles, dense tiles; the Mosaic GPU module takes its tickets with one
-    fetch-and-add (``pallas_mgpu_sched.take_ticket``); a tiling without room for two
-    query blocks a consumer is refused, naming the shared memory."""
-    modules = _mosaic_modules(monkeypatch)
-    cfg = dataclasses.replace(DEFAULT_MGPU_CONFIGS[128], persistent=True, warp_producer=False)
-    mask = MaskSpec() if tile == TILE_DENSE else MaskSpec(causal=True)
-    q, kv = SDS((2, T, 4, 128), BF16), SDS((2, T, 2, 128), BF16)
-    pos = [SDS((T,), jnp.int32)] * 2
-    segs = [SDS((2, T), jnp.int32)] * 2 if seg else []
-    def lower():
-        return _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
-                                                           config=cfg, tile=tile),
-                        q, kv, kv, *pos, *segs)
-    if not mgpu_common.named_barriers_supported():  # JAX 0.10: no inline PTX from Pallas
-        with pytest.raises(NotImplementedError, match="persistent=True needs named barriers"):
-            lower()
-        return
-    txt = lower()
-    assert txt.count("mosaic_gpu") >= 1
-    assert len(modules) == 1 and modules[0].count("atom.add.u32") == 1
-    assert modules[0].count("scf.while") == 2  # the consumers' and the producer's items
-    big = dataclasses.replace(cfg, block_kv=256, num_stages=3)
-    with pytest.raises(ValueError, match="shared memory"):
-        _lowered(lambda q, k, v, a, b, *s: mgpu_fwd(q, k, v, a, b, mask, 0.1, *s,
-                                                    config=big, tile=tile),
-                 q, kv, kv, *pos, *segs)
 
 
 @pytest.mark.parametrize("seg", [False, True])

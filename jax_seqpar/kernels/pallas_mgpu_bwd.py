@@ -501,7 +501,7 @@ def tma_zeros(shape, after):
     does not read: it orders the zeros after it and keeps the calls of a program apart,
     as ``zeroed_dq``'s barrier does."""
     import jax.experimental.pallas as pl
-    from jax_seqpar.kernels.pallas_mgpu_sched import sm_count
+    from jax_seqpar.kernels.pallas_mgpu_common import sm_count
     plgpu = _plgpu()
     D = shape[-1]
     n_rows = math.prod(shape[:-1])

@@ -31,7 +31,7 @@ SMEM_LIMIT = 227 * 1024 - 2048
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
                "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "persistent", "doc_order", "early_dq",
+               "step_descriptors", "overlap_fwd", "doc_order", "early_dq",
                "early_exit", "doc_order_bwd", "tma_zero_dq")
 
 
@@ -141,19 +141,12 @@ class MgpuConfig:
     device clock in three same-run runs at 16k and 64k), not for dense ones (1.6% slower
     in the tuner, 0.0-2.1% faster in those runs), and packed documents, whose class is
     not in the table, keep the unpipelined forward (3.6% slower there): RESULTS.md.
-    ``persistent`` (the unpipelined forward, with a warpgroup producer): one CTA per
-    streaming multiprocessor, each serving items (query block, head, batch row) handed
-    out in launch order by a counter in global memory (``pallas_mgpu_sched``, FA3's
-    dynamic tile scheduler); the ring's slots, barrier phases and the consumers'
-    ping-pong run on from item to item, and each consumer holds two query blocks, loading
-    the next item's while the current one's steps run.  What it is for: the load of each
-    CTA's query block (about 2,800 cycles on CTAs of 16 steps).  On one H200 it gives the
-    per-item kernel's bits, and its forward was level with or up to 5% faster than the
-    per-item one on sixteen 4k rows but 22-24% slower on packed documents, its steps 8%
-    slower even on the same first items (RESULTS.md), so off.  Traced within a step,
-    its softmax took 14-22% longer than the per-item kernel's on the same items, and
-    without the mask classes' four loops it lost 9% instead of 15%: register pressure
-    from values the compiler hoists out of the item loop (RESULTS.md).
+    ``persistent`` (taken out after 68a1b69, where its code and its dynamic tile
+    scheduler, ``pallas_mgpu_sched``, are): one CTA per streaming multiprocessor serving
+    items handed out in launch order by a counter in global memory.  On one H200 it gave
+    the per-item kernel's bits and was level or up to 5% faster on sixteen 4k rows but
+    22-24% slower on packed documents (register pressure from values hoisted out of the
+    item loop; RESULTS.md, "A dynamic tile scheduler for a persistent forward").
     ``doc_order`` (the forward and the dQ kernel, with segment ids): the query blocks
     launch document by document (``doc_cta_order``: longest document first, each one's
     blocks most tiles first) instead of sorted by tile count across all documents, so
@@ -232,7 +225,6 @@ class MgpuConfig:
     row_scores: bool = False
     step_descriptors: bool = False
     overlap_fwd: bool = False
-    persistent: bool = False
     doc_order: bool = True
     early_dq: bool = True
     early_exit: bool = True
@@ -246,13 +238,6 @@ class MgpuConfig:
         if self.split_dq and not self.atomic_dq:
             raise ValueError("MgpuConfig.split_dq=True needs atomic_dq=True (it splits the "
                              "atomic dQ product between the consumers)")
-        if self.persistent and self.overlap_fwd:
-            raise ValueError("MgpuConfig.persistent=True runs the unpipelined forward; set "
-                             "overlap_fwd=False")
-        if self.persistent and self.warp_producer:
-            raise ValueError("MgpuConfig.persistent=True runs its producer as a warpgroup "
-                             "(its loop over items is a while loop, which Mosaic GPU does "
-                             "not lower in a single warp); set warp_producer=False")
         if self.row_scores and not self.split_dq:
             raise ValueError("MgpuConfig.row_scores=True needs atomic_dq=True and "
                              "split_dq=True (it is a layout of the fused, split backward)")
@@ -309,7 +294,7 @@ def forward_smem_bytes(config: MgpuConfig, head_dim: int, dtype) -> int:
     """Shared memory of one forward CTA: two query/output blocks, the K and V rings, the
     two lse rows and ``FWD_SMEM_EXTRA``."""
     item = jnp.dtype(dtype).itemsize
-    q_o = (4 if config.persistent else 2) * config.block_q * head_dim * item
+    q_o = 2 * config.block_q * head_dim * item
     kv = 2 * config.num_stages * config.block_kv * head_dim * item
     return q_o + kv + 2 * config.block_q * 4 + FWD_SMEM_EXTRA
 
@@ -614,6 +599,19 @@ def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, r
     return carry
 
 
+#: Streaming multiprocessors of an H100 / H200 SXM (``sm_count`` without a GPU: CPU
+#: lowering tests).
+HOPPER_SMS = 132
+
+
+def sm_count() -> int:
+    """The first GPU's streaming multiprocessors, or ``HOPPER_SMS`` without a GPU."""
+    try:
+        return int(jax.devices("gpu")[0].core_count)
+    except (RuntimeError, AttributeError):
+        return HOPPER_SMS
+
+
 def on_producer_warps(one_warp: bool, produce) -> None:
     """``produce()`` in the producer warpgroup: in all four of its warps, or
     (``one_warp``: ``MgpuConfig.warp_producer`` / ``warp_producer_bwd``) in its first warp
@@ -627,24 +625,21 @@ def on_producer_warps(one_warp: bool, produce) -> None:
 
 def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
                k_ready, v_ready, k_free, v_free, named_free: bool = False,
-               slot_threads: int = SLOT_THREADS, base=None):
+               slot_threads: int = SLOT_THREADS):
     """The producer warpgroup of a kernel that streams K/V blocks (forward, dQ): for
     each of the CTA's ``count`` key blocks (the t-th is ``block(t)``: an entry of its
     tile-list row, or computed), wait until the consumers have freed its ring slot, then
     start the TMA copies of K and V into it.  ``named_free``: the consumers free slots on
     named barriers (``free_barrier``; 2 x 128 consumer threads arrive, the producer's
     sync: ``slot_threads`` in all) instead of the shared-memory barriers ``k_free`` /
-    ``v_free``.  Run from the whole producer warpgroup or from one warp of it.  ``base``:
-    the key blocks streamed before (a persistent CTA's earlier items), so that the ring's
-    slots run on from item to item."""
+    ``v_free``.  Run from the whole producer warpgroup or from one warp of it."""
     import jax.experimental.pallas as pl
     from jax import lax
     plgpu = _plgpu()
 
     @pl.loop(0, count)
     def _(t):
-        n = t if base is None else base + t  # key blocks streamed before this one
-        slot = lax.rem(n, jnp.int32(stages))
+        slot = lax.rem(t, jnp.int32(stages))
         rows = (b, pl.ds(block(t) * bk, bk), kvh)
 
         def wait_free(which, ref):
@@ -653,9 +648,9 @@ def produce_kv(block, b, count, bk, stages, kvh, k_ref, v_ref, k_smem, v_smem,
             else:
                 plgpu.barrier_wait(ref.at[slot])
 
-        pl.when(n >= stages)(lambda: wait_free("k", k_free))
+        pl.when(t >= stages)(lambda: wait_free("k", k_free))
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-        pl.when(n >= stages)(lambda: wait_free("v", v_free))
+        pl.when(t >= stages)(lambda: wait_free("v", v_free))
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
 

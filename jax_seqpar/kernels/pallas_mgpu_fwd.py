@@ -52,13 +52,12 @@ from jax import lax
 
 from jax_seqpar.runtime._compat import kernel_io
 from jax_seqpar.kernels.base import TILE_ALIGNED, TILE_DENSE, TILE_GENERAL
-from jax_seqpar.kernels import pallas_mgpu_sched as sched_mod
 from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_lists
 from jax_seqpar.kernels.pallas_mgpu_common import (
-    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, SMEM_LIMIT, WARP_SLOT_THREADS, MgpuConfig,
-    _load, _plgpu, compiler_params, cta_order, doc_cta_order, forward_smem_bytes, free_barrier,
-    named_barrier, named_barriers_supported, on_producer_warps, produce_kv, row_loops,
-    slot_barrier, softmax_update, step_index, tile_visible, traced)
+    F32, LN2, LOG2E, SCHED_BARRIERS, SLOT_THREADS, WARP_SLOT_THREADS, MgpuConfig, _load,
+    _plgpu, compiler_params, cta_order, doc_cta_order, free_barrier, named_barrier,
+    named_barriers_supported, on_producer_warps, produce_kv, row_loops, slot_barrier,
+    softmax_update, tile_visible, traced)
 from jax_seqpar.masks import MaskSpec
 
 # --------------------------------------------------------------------------- forward
@@ -89,15 +88,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     named = config.named_sched and named_barriers_supported()
     named_free = config.named_free and named_barriers_supported()
     overlap = config.overlap_fwd and named
-    if config.persistent and not named:
-        raise NotImplementedError("MgpuConfig.persistent=True needs named barriers (inline "
-                                  "PTX from Pallas: JAX >= 0.11)")
-    if config.persistent and forward_smem_bytes(config, D, dtype) > SMEM_LIMIT:
-        raise ValueError(
-            f"MgpuConfig.persistent=True: two query blocks a consumer and the K/V ring "
-            f"({config.num_stages} x {config.block_kv} keys) take "
-            f"{forward_smem_bytes(config, D, dtype)} bytes of shared memory at head dim "
-            f"{D}, more than the {SMEM_LIMIT} a CTA has; use fewer or smaller stages")
     if named_free:
         free_barrier("v", stages - 1, stages)  # enough named barriers for the ring
     slot_threads = WARP_SLOT_THREADS if config.warp_producer else SLOT_THREADS
@@ -106,16 +96,11 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
     COL = plgpu.Layout.WGMMA.reduce(0)
     WGMMA = plgpu.Layout.WGMMA
 
-    persistent = config.persistent
-    n_items = B * nq * Hq
-    n_sm = min(sched_mod.sm_count(), n_items) if persistent else 0
-
-    def schedule(tbl_ref, order_ref, b, j=None):
-        """``(cta, count, n_full, block)`` of launch slot ``j`` (the grid's, if None) of
-        batch row ``b``: its query block, how many key blocks it visits, how many of
-        those first ones need no mask, and the t-th's index."""
-        if j is None:
-            j = lax.axis_index("q_seq")
+    def schedule(tbl_ref, order_ref, b):
+        """``(cta, count, n_full, block)`` of this CTA (launch slot ``j`` of batch row
+        ``b``): its query block, how many key blocks it visits, how many of those first
+        ones need no mask, and the t-th's index."""
+        j = lax.axis_index("q_seq")
         if index == "dense":
             return j, nk, (nk - 1 if pad_keys else nk), lambda t: t
         if index == "causal":
@@ -129,34 +114,13 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 lambda t: tbl_ref[b, cta, t + 2])
 
     def kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, qseg_ref,
-               kvseg_ref, o_ref, lse_ref, counter_ref, scoped):
+               kvseg_ref, o_ref, lse_ref, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), \
-            (k_free, v_free), sched, *more = scoped
-        tickets = more[0] if persistent else None
-        if not persistent:
-            b = lax.axis_index("batch")
-            h = lax.axis_index("heads")
+            (k_free, v_free), sched = scoped
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        if not persistent:
-            current = schedule(tbl_ref, order_ref, b)
-        else:
-            sm = lax.axis_index("sm")  # a CTA's first item; the later ones by ticket
-            idiv = lambda a, b: lax.div(a, jnp.int32(b))  # noqa: E731
-            irem = lambda a, b: lax.rem(a, jnp.int32(b))  # noqa: E731
-
-            def item_at(item):
-                """``(b, h, (cta, count, n_full, block))`` of flat item ``item``."""
-                ib, ij, ih = sched_mod.item_index(item, nq, Hq, idiv, irem)
-                return ib, ih, schedule(tbl_ref, order_ref, ib, ij)
-
-            def while_items(body):
-                """Run ``body(w, item, base) -> (next item, base)`` over this CTA's
-                items, ``w`` counting them, ``base`` the key blocks streamed before."""
-                def step(carry):
-                    w, item, base = carry
-                    return (w + 1, *body(w, item, base))
-                lax.while_loop(lambda carry: carry[1] < n_items, step,
-                               (jnp.int32(0), sm, jnp.int32(0)))
+        current = schedule(tbl_ref, order_ref, b)
 
         def free_slot(which, ref, slot):  # this consumer has read the slot's K or V
             if named_free:
@@ -178,42 +142,18 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 pl.when(wg == me)(functools.partial(named_barrier, "sync",
                                                     SCHED_BARRIERS[me]))
 
-        def q_buffer(w):
-            """This consumer's query (then output) block and the barrier its load arrives
-            on: its own, or (``persistent``) one of two, by the parity of the item."""
-            if w is None:
-                return qo_smem2.at[wg], q_ready.at[wg]
-            i = 2 * wg + lax.rem(w, jnp.int32(2))
-            return qo_smem2.at[i], q_ready.at[i]
-
-        def load_next_q(w, nxt):
-            """(``persistent``) Once the stores of the item before have read their blocks,
-            start the load of the query block of item ``nxt``, this CTA's ``w + 1``-th,
-            into the block they held, while item ``w``'s steps run."""
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            @pl.when(nxt < n_items)
-            def _():
-                nb, nh, (ncta, *_) = item_at(nxt)
-                qo, ready = q_buffer(w + 1)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[nb, pl.ds(ncta * (2 * bq) + wg * bq, bq), nh], qo, ready)
-
-        def consume(b, h, current, w=None, base=None, nxt=None):
-            """A consumer's work on one query block ``current`` (``schedule``'s) of batch
-            row ``b`` and head ``h``: the grid's, or (``persistent``) this CTA's ``w``-th
-            item, with ``base`` key blocks streamed through the ring before it and item
-            ``nxt`` after it; returns ``base`` plus this item's key blocks."""
+        def consume(b, h, current):
+            """A consumer's work on the CTA's query block ``current`` (``schedule``'s) of
+            batch row ``b`` and head ``h``."""
             cta, count, n_full, block = current
-            qo, qo_ready = q_buffer(w)
+            qo, qo_ready = qo_smem2.at[wg], q_ready.at[wg]
             row0 = cta * (2 * bq) + wg * bq
 
-            def slot_of(t):  # the ring slot of this item's t-th key block
-                return lax.rem(t if base is None else base + t, jnp.int32(stages))
+            def slot_of(t):  # the ring slot of the t-th key block
+                return lax.rem(t, jnp.int32(stages))
             with jax.named_scope("load"):  # trace regions (TRACE_ENV)
-                if w is None:  # a persistent CTA's were started the item before
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo,
-                                            q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo,
+                                        q_ready.at[wg])
                 # the row vectors load while the query block does
                 qpos = qseg = None
                 if masked and not by_index:
@@ -268,12 +208,7 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 inputs = mask_inputs(t, mode) if mode is not None else None
 
                 def qk(acc_ref):
-                    qs = qo
-                    if w is not None:  # (persistent) the query block's descriptor formed
-                        # here, not kept from the item's start: fewer spills (RESULTS.md)
-                        qs = qo_smem2.at[step_index(2 * wg + lax.rem(w, jnp.int32(2)),
-                                                    block(t))]
-                    plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
                     let_other_go() if named else rendezvous()
                     return acc_ref[...]
                 with jax.named_scope("qk"):  # trace regions within a step (TRACE_ENV)
@@ -314,8 +249,6 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 with jax.named_scope("pv"):
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     free_slot("v", v_free, slot)
-                if w is not None:  # the next item's query block, early
-                    pl.when(t == 0)(lambda: load_next_q(w, nxt))
                 return acc, m_new, l
 
             m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW)
@@ -416,22 +349,17 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 else:
                     @pl.when(count > 0)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[0 if base is None else slot_of(0)])
+                        plgpu.barrier_wait(k_ready.at[0])
                     # consumer 1 starts half a step behind consumer 0
                     pl.when(wg == 1)(functools.partial(named_barrier, "sync", SCHED_BARRIERS[1])
                                      if named else rendezvous)
                     carry = row_loops(tbl_ref, b, cta, n_full, count, has_seg, classes, masked,
                                       step, (acc0, m0, l0))
-                    # consumer 0 matches consumer 1's last wait; a persistent CTA's
-                    # consumer 0 waits there too, so that its next item's first arrival
-                    # cannot pair with that wait
-                    pl.when(wg == 0)(functools.partial(named_barrier,
-                                                       "arrive" if w is None else "sync",
+                    # consumer 0 matches consumer 1's last wait
+                    pl.when(wg == 0)(functools.partial(named_barrier, "arrive",
                                                        SCHED_BARRIERS[1])
                                      if named else rendezvous)
             with jax.named_scope("out"):
-                if w is not None:  # no step ran: wait for the item before's stores here
-                    pl.when(count == 0)(lambda: load_next_q(w, nxt))
                 acc, m, l = carry
                 has = l > 0.0
                 l_safe = jnp.where(has, l, 1.0)
@@ -441,51 +369,23 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, bq), h])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
-                if w is None:  # (persistent: waited for in the next item, or at the end)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
-            return None if base is None else base + count
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the blocks are read
 
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            if not persistent:
-                consume(b, h, current)
-                return
-
-            # the first item's query block; each later one's during the item before
-            fb, fh, (fcta, *_) = item_at(sm)
-            qo, ready = q_buffer(0)
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[fb, pl.ds(fcta * (2 * bq) + wg * bq, bq), fh], qo, ready)
-
-            @while_items
-            def _(w, item, base):
-                nxt = sched_mod.receive(w, n_sm, tickets)
-                return nxt, consume(*item_at(item), w=w, base=base, nxt=nxt)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            consume(b, h, current)
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def produce_item(ib, ih, item, base=None):
-                _, count, _, block = item
-                produce_kv(block, ib, count, bk, stages, lax.div(ih, jnp.int32(g)), k_ref,
-                           v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                           named_free=named_free, slot_threads=slot_threads, base=base)
-                return None if base is None else base + count
-
             @traced("produce")
             def produce():
-                if not persistent:
-                    produce_item(b, h, current)
-                    return
-
-                @while_items
-                def _(w, item, base):  # the next ticket first: the consumers need it early
-                    nxt = sched_mod.hand_out(w, n_sm, counter_ref, tickets,
-                                             config.warp_producer)
-                    return nxt, produce_item(*item_at(item), base)
+                _, count, _, block = current
+                produce_kv(block, b, count, bk, stages, lax.div(h, jnp.int32(g)), k_ref,
+                           v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                           named_free=named_free, slot_threads=slot_threads)
             on_producer_warps(config.warp_producer, produce)
 
     def entry(*refs):
@@ -495,34 +395,26 @@ def _fwd_call(tbl, order, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, mask: MaskSp
         qpos_ref, kvpos_ref = (None, None) if by_index else refs[3:5]
         refs = refs[3 if by_index else 5:]
         qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-        counter_ref = refs.pop(0) if persistent else None
         o_ref, lse_ref = refs
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        n_q = 4 if persistent else 2  # (persistent: two query blocks a consumer)
-        smem = (plgpu.SMEM((n_q, bq, D), dtype, transforms=swz),
+        smem = (plgpu.SMEM((2, bq, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((stages, bk, D), dtype, transforms=swz),
                 plgpu.SMEM((2, bq), F32))
         pl.run_scoped(
             lambda *scoped: kernel(tbl_ref, order_ref, q_ref, k_ref, v_ref, qpos_ref,
-                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref,
-                                   counter_ref, scoped),
+                                   kvpos_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=n_q)),
+             plgpu.Barrier(num_barriers=2)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
-            *([sched_mod.scratch()] if persistent else []),
             collective_axes="wg",
         )
 
     args = (([] if no_lists else [tbl, order]) + [q, k, v]
             + ([] if by_index else [q_pos, kv_pos]) + ([q_seg, kv_seg] if has_seg else []))
     args, out_type = kernel_io(args, [((B, Lq, Hq, D), dtype), ((B, Hq, Lq), F32)])
-    if persistent:  # one CTA per SM, the items by ticket from a counter (a Ref operand)
-        mesh = plgpu.Mesh(grid=(n_sm,), grid_names=("sm",), num_threads=3, thread_name="wg")
-        return pl.kernel(entry, out_type=out_type, mesh=mesh,
-                         compiler_params=compiler_params())(*args, sched_mod.new_counter())
     return plgpu.kernel(
         entry,
         out_type=out_type,
