@@ -153,14 +153,12 @@ def test_each_call_zeroes_its_own_dq_after_its_delta(kw, tma):
 
 
 def test_step_index_is_the_index_for_every_list_entry():
-    """``step_index`` (``MgpuConfig.step_descriptors``, the fused kernel) must give back
-    the consumer's own index for every tile-list entry (never negative), and the index
-    itself when off; only its opacity to the compiler differs."""
+    """``step_index`` (the fused kernel) must give back the consumer's own index for every
+    tile-list entry (never negative); only its opacity to the compiler differs."""
     from jax_seqpar.kernels.pallas_mgpu_common import step_index
     for wg in (0, 1):
         for token in (0, 1, 7, 2 ** 30):
             assert int(step_index(jnp.int32(wg), jnp.int32(token))) == wg
-        assert step_index(wg, jnp.int32(-1), enabled=False) == wg
 
 
 def test_launch_order_puts_the_longest_rows_first():
@@ -431,11 +429,8 @@ _BWD_VARIANTS = [
     dict(atomic_dq=True),
     dict(atomic_dq=False, dv_with_dp=True, warp_producer_bwd=True),
     dict(atomic_dq=False, mask_classes=False),
-    dict(atomic_dq=False, mask_classes_dkdv=True),
-    dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True, mask_classes_dkdv=True),
     dict(atomic_dq=True, warp_producer_bwd=True),
-    dict(atomic_dq=False, step_descriptors=True),
-    dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True, step_descriptors=True)]
+    dict(atomic_dq=False, dv_with_dp=False, overlap_bwd=True)]
 _SPLIT_DQ_VARIANTS = [
     dict(atomic_dq=True, split_dq=True),
     dict(atomic_dq=True, split_dq=True, row_scores=True),
@@ -722,19 +717,16 @@ def test_softmax_update_folds_rows_of_another_document(n_full, fold):
 
 @pytest.mark.parametrize("kw,seg,want", [
     (dict(), True, [False, True]), (dict(mask_classes=False), True, [False, False]),
-    (dict(mask_classes_dkdv=True), True, [True, True]),
-    (dict(mask_classes=False, mask_classes_dkdv=True), True, [True, False]),
-    (dict(segment_skip=False, mask_classes_dkdv=True), True, [False, False]),
-    (dict(mask_classes_dkdv=True), False, [False, False]),
-    (dict(atomic_dq=True, mask_classes_dkdv=True), True, [False]),
+    (dict(segment_skip=False), True, [False, False]), (dict(), False, [False, False]),
+    (dict(atomic_dq=True), True, [False]),
     (dict(atomic_dq=True, split_dq=True, row_scores=True), True, [True]),
     (dict(atomic_dq=True, split_dq=True, row_scores=True, mask_classes=False), True, [False]),
     (dict(atomic_dq=True, split_dq=True, row_scores=True), False, [False])])
 def test_backward_lists_carry_mask_classes(kw, seg, want, monkeypatch):
-    """``MgpuConfig.mask_classes`` / ``mask_classes_dkdv``: the dQ / dK/dV kernel gets
-    class-sorted lists (three more entries per row) with segment ids and
-    ``segment_skip``; the atomic-dQ kernel, which does not read classes, plain ones;
-    the fused kernel with scores by row (``row_scores``) as the dQ kernel's."""
+    """``MgpuConfig.mask_classes``: the dQ kernel gets class-sorted lists (three more
+    entries per row) with segment ids and ``segment_skip``; the two-kernel path's dK/dV
+    kernel and the atomic-dQ kernel, which do not read classes, plain ones; the fused
+    kernel with scores by row (``row_scores``) as the dQ kernel's."""
     from jax_seqpar.kernels import pallas_mgpu_bwd
     seen, cfg, T, q, pos, segs = _spy_on_lists(pallas_mgpu_bwd, monkeypatch, kw, seg)
     _traced(lambda q, k, v, o, l, do, qp, kp, *s: mgpu_bwd(

@@ -64,8 +64,8 @@ from jax_seqpar.kernels.pallas_common import _pad_to, segment_lists_args, tile_l
 from jax_seqpar.kernels.pallas_mgpu_common import (F32, LOG2E, MgpuConfig, _load, _plgpu,
                                                    compiler_params, cta_order, doc_cta_order,
                                                    keys_before, on_producer_warps,
-                                                   produce_kv, row_loops, step_index,
-                                                   tile_visible, traced)
+                                                   produce_kv, row_loops, tile_visible,
+                                                   traced)
 from jax_seqpar.kernels.pallas_mgpu_keys import (kv_shapes, kv_stationary_kernel,
                                                  reduce_add_dq)
 from jax_seqpar.kernels.pallas_mgpu_fused import fused_call
@@ -76,7 +76,7 @@ from jax_seqpar.masks import MaskSpec
 # --------------------------------------------------------------------------- dK, dV
 def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, *,
                mask: MaskSpec, scale: float, masked: bool, config: MgpuConfig,
-               dq_acc=None, classes: bool = False, Tk: int | None = None):
+               dq_acc=None, Tk: int | None = None):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
     with_dq = dq_acc is not None
@@ -109,9 +109,9 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             kseg = _load(kvseg_ref.at[b, pl.ds(row0, bk)], ROW) if has_seg else None
 
         def own(t):
-            """This consumer's K and V blocks, indexed in step ``t``."""
-            w = step_index(wg, tbl_ref[b, blk, t + 2], config.step_descriptors)
-            return k_smem.at[w], v_smem.at[w]
+            """This consumer's K and V blocks (in step ``t``: the same in every step; the
+            fused kernel indexes its own per step, ``step_index``)."""
+            return k_smem.at[wg], v_smem.at[wg]
 
         def mask_scores(s, t, mode):
             """``S^T`` of tile ``t`` with its invisible pairs at ``-inf``: the tests
@@ -128,18 +128,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
             ok = tile_visible(mask if pos else MaskSpec(), qpos, kpos if pos else None,
                               qseg, kseg if pair else None, 1, (bk, bq), extra=pad)
             return s if ok is None else jnp.where(ok, s, -jnp.inf)
-
-        def col_lse(lse, t, mode):
-            """lse, or (segment test folded: the CTA's keys are one document) +inf
-            for the queries of another document, so that their P is 0.  (The ids
-            load here, once the scores exist, as the pair test's do; loaded before
-            the products were issued they read no faster on one H100, RESULTS.md.)
-            Off by default: ``MgpuConfig.mask_classes_dkdv``."""
-            if mode is None or mode[1] != "fold":
-                return lse
-            start = tbl_ref[b, blk, t + 2] * bq
-            qseg = _load(qseg_ref.at[b, pl.ds(start, bq)], COL)
-            return jnp.where(qseg == kvseg_ref[b, blk * (2 * bk)], lse, jnp.inf)
 
         def step_overlap(t, carry, hh, mode):
             # S^T and dP^T issued together; P formed while dP^T runs, dS while dV runs
@@ -184,7 +172,6 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
         def probs_from(s, lse, t, mode):
             """``P^T`` from the tile's ``S^T`` and its queries' lse (masks applied)."""
             s = mask_scores(s, t, mode)
-            lse = col_lse(lse, t, mode)
             return jnp.exp2(s * c - lax.broadcast_in_dim(lse, s.shape, [1]))
 
         def ds_then_dk(p, slot, dk_ref, dp_ref):
@@ -288,7 +275,7 @@ def _dkdv_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_se
     # dQ (with_dq) is a mutable Ref, read and written in place
     return kv_stationary_kernel(
         make_step, (tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos), q_seg, kv_seg,
-        dq_acc, config=config, scale=scale, masked=masked, classes=classes, split=split_dq,
+        dq_acc, config=config, scale=scale, masked=masked, classes=False, split=split_dq,
         extra_smem=extra)
 
 
@@ -337,9 +324,8 @@ def _dq_call(tbl, order, q, k, v, do, lse2, delta, q_pos, kv_pos, q_seg, kv_seg,
                 plgpu.barrier_wait(q_ready.at[wg])
 
             def own(t):
-                """This consumer's Q and dO blocks, indexed in step ``t``."""
-                w = step_index(wg, tbl_ref[b, cta, t + 2], config.step_descriptors)
-                return q_smem.at[w], do_smem.at[w]
+                """This consumer's Q and dO blocks (the same in every step ``t``)."""
+                return q_smem.at[wg], do_smem.at[wg]
 
             def row_lse(t, mode):
                 """lse, or (segment test folded: the key block is one document) +inf
@@ -566,9 +552,8 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
     # mask classes need the ids in the lists (segment_skip); the atomic-dQ kernel's
     # steps do not take them
     classes = bool(seg_kw) and config.mask_classes and not config.atomic_dq
-    classes_dkdv = bool(seg_kw) and config.mask_classes_dkdv and not config.atomic_dq
-    if config.row_scores:  # the fused kernel, scores by row: classes as the dQ kernel's
-        classes_dkdv = bool(seg_kw) and config.mask_classes
+    # the fused kernel (scores by row) sorts its lists by class as the dQ kernel does
+    classes_dkdv = bool(seg_kw) and config.mask_classes and config.row_scores
     tbl_t = tile_lists(mask, q_pos, kv_pos, Tk, bq, 2 * bk, has_seg, transpose=True,
                        classes=classes_dkdv, **seg_kw)
     order_t = (doc_cta_order(tbl_t, last=True, classes=classes_dkdv)
@@ -586,8 +571,7 @@ def mgpu_bwd(q, k, v, o, lse, do, q_pos, kv_pos, mask: MaskSpec, scale: float, q
         dq = dq_acc[...][:, :Tq] * scale
         return dq, dk[:, :Tk].astype(F32), dv[:, :Tk].astype(F32)
     dk, dv = _dkdv_call(tbl_t, order_t, qp, kp, vp, dop, lse2, dl, q_pos, kv_pos,
-                        *segs, mask=mask, scale=scale, masked=pos_masked, config=config,
-                        classes=classes_dkdv)
+                        *segs, mask=mask, scale=scale, masked=pos_masked, config=config)
     tbl = tile_lists(mask, q_pos, kv_pos, Tk, 2 * bq, bk_dq, has_seg, classes=classes,
                      **seg_kw)
     order = (doc_cta_order(tbl, classes=classes) if config.doc_order and has_seg

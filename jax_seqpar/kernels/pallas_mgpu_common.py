@@ -30,9 +30,8 @@ SMEM_LIMIT = 227 * 1024 - 2048
 
 BOOL_FIELDS = ("atomic_dq", "split_dq", "segment_skip", "overlap_bwd", "index_tiles",
                "named_sched", "named_free", "dv_with_dp", "warp_producer", "warp_producer_bwd",
-               "mask_classes", "mask_classes_dkdv", "mask_classes_fwd", "row_scores",
-               "step_descriptors", "overlap_fwd", "doc_order", "early_dq",
-               "early_exit", "doc_order_bwd", "tma_zero_dq")
+               "mask_classes", "mask_classes_fwd", "row_scores", "overlap_fwd", "doc_order",
+               "early_dq", "early_exit", "doc_order_bwd", "tma_zero_dq")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +97,9 @@ class MgpuConfig:
     the segment test folded into the query's lse (``+inf`` where the query's id differs,
     so P = 0 there) instead of a comparison per score.  On one H100, packed documents
     (log-normal around 4k at 64k tokens) ran the dQ kernel 4.6-5.4% faster with it (three
-    runs): its masks cost it 4% of its time instead of 9%.  ``mask_classes_dkdv``: the
-    same in the dK/dV kernel, which read 2-4% slower with it, inside that kernel's spread
-    between runs, so off; timed again within the device rounds (each kernel's median over
-    the same rounds) it read 2.3-4.5% slower in two runs more (RESULTS.md).
+    runs): its masks cost it 4% of its time instead of 9%.  The same in the
+    two-kernel dK/dV kernel (``mask_classes_dkdv``, taken out after 90c72e3, where its
+    code is) read 2-4% slower, and 2.3-4.5% slower in two runs more (RESULTS.md).
     ``mask_classes_fwd``: the same in the forward, where a folded segment test drops the
     other document's rows from the tile's online softmax (``softmax_update``'s
     ``row_ok``) instead of testing each score; on one H100 the forward on the bar's
@@ -118,15 +116,12 @@ class MgpuConfig:
     classes, with ``early_dq``: 4.97 against 5.30 ms (causal, 16k) and 9.82 against
     10.38 (dense) on the device's clock, 8.46 against 9.11 on packed documents back to
     back at the power cap; the H200's table takes it there (RESULTS.md).
-    ``step_descriptors`` (the two-kernel backward): a consumer's own blocks (K and V in
-    the dK/dV kernel, Q and dO in the dQ kernel) are indexed in each step through
-    ``step_index``, so that the wgmma descriptors of those operands are formed in the
-    step instead of hoisted out of the loop, where ptxas keeps them in registers or
-    spills them.  On one H100 it took the dK/dV kernel's spills from 48 to 8 bytes a
-    thread and the dQ kernel's from 56 to none, but the dK/dV kernel read 3.9% slower
-    and the dQ kernel 1.4% faster on packed documents (one run), so off.  The fused
-    kernel of ``row_scores`` always indexes so (its spills fell from 1080 to 124 bytes
-    and its time by about a quarter: RESULTS.md).
+    The fused kernel of ``row_scores`` indexes a consumer's own blocks in each step
+    (``step_index``), so that their wgmma descriptors are formed in the step instead of
+    hoisted out of the loop and spilled (its spills fell from 1080 to 124 bytes and its
+    time by about a quarter: RESULTS.md).  The same in the two-kernel backward
+    (``step_descriptors``, taken out after 90c72e3, where its code is) took their spills
+    from 48 and 56 bytes to 8 and none, but the dK/dV kernel read 3.9% slower on one H100.
     ``overlap_fwd`` (the forward, with ``named_sched``): FlashAttention-3's overlap within
     one warpgroup (Shah et al., 2024, §3.2, Alg. 2 "intra-warpgroup overlapping"): each
     step issues the next tile's ``S = Q K^T`` and the previous tile's ``O += P V``
@@ -220,10 +215,8 @@ class MgpuConfig:
     warp_producer: bool = False
     warp_producer_bwd: bool = False
     mask_classes: bool = True
-    mask_classes_dkdv: bool = False
     mask_classes_fwd: bool = True
     row_scores: bool = False
-    step_descriptors: bool = False
     overlap_fwd: bool = False
     doc_order: bool = True
     early_dq: bool = True
@@ -570,14 +563,13 @@ def softmax_update(s, m, c: float, masked: bool = True, row_ok=None):
     return m_new, alpha, p
 
 
-def step_index(index, token, enabled: bool = True):
+def step_index(index, token):
     """``index`` (a consumer's own block in a shared-memory array), as a value the
-    compiler cannot prove the same in every step when ``enabled``: ``token`` is loaded in
-    the step and never negative (a tile-list entry), so ``where(token >= 0, index, 0)``
-    is ``index``.  The wgmma descriptors of a ref indexed so are formed in the step
-    (uniform-register arithmetic) rather than hoisted out of the loop and kept, or
-    spilled, in registers (``MgpuConfig.step_descriptors``)."""
-    return jnp.where(token >= 0, index, 0) if enabled else index
+    compiler cannot prove the same in every step: ``token`` is loaded in the step and
+    never negative (a tile-list entry), so ``where(token >= 0, index, 0)`` is ``index``.
+    The wgmma descriptors of a ref indexed so are formed in the step (uniform-register
+    arithmetic) rather than hoisted out of the loop and kept, or spilled, in registers."""
+    return jnp.where(token >= 0, index, 0)
 
 
 def masked_loops(tbl_ref, b, row, n_full, count, has_seg: bool, classes: bool, run, carry):
