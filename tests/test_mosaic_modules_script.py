@@ -11,15 +11,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import mosaic_modules  # noqa: E402
 
+from jax_seqpar.kernels.pallas_mgpu_common import named_barriers_supported  # noqa: E402
+
 
 def test_fingerprints_are_stable_and_tell_configs_apart():
     """The same config twice gives the same digests; a field that changes the kernel (the
-    forward's overlap) gives others; a field this checkout lacks is reported, not
-    lowered; a config that cannot fit is recorded as refused."""
+    ring's depth on every JAX; the forward's overlap where this JAX has named barriers,
+    without them the kernel ignores it) gives others; a field this checkout lacks is
+    reported, not lowered; a config that cannot fit is recorded as refused."""
     a = mosaic_modules.fingerprint("fwd", "d64_dense", {})
     assert len(a["mods"]) == 1
     assert mosaic_modules.fingerprint("fwd", "d64_dense", {}) == a
-    assert mosaic_modules.fingerprint("fwd", "d64_dense", {"overlap_fwd": True}) != a
+    assert mosaic_modules.fingerprint("fwd", "d64_dense", {"num_stages": 3}) != a
+    overlap = mosaic_modules.fingerprint("fwd", "d64_dense", {"overlap_fwd": True})
+    assert (overlap != a) == named_barriers_supported()
     assert mosaic_modules.fingerprint("fwd", "d64_dense", {"no_such_field": True}) == {
         "missing": ["no_such_field"]}
     big = mosaic_modules.fingerprint("fwd", "dense", dict(num_stages=3, block_kv=256))
