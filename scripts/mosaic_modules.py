@@ -1,4 +1,5 @@
-"""Fingerprints of the Hopper kernels' Mosaic GPU modules, lowered for CUDA on any machine.
+"""Fingerprints of the GPU kernels' modules (the Hopper kernels' Mosaic GPU modules, the
+Triton kernels' Triton modules), lowered for CUDA on any machine.
 
 A change to ``jax_seqpar/kernels/pallas_mgpu*.py`` that should not change what runs on
 the GPU (taking out a switch that is off, moving code between modules, renaming) can be
@@ -8,13 +9,18 @@ The configurations: the per-dim defaults, every entry of ``kernels/mgpu_tuned.js
 single-field variants of the defaults, forward and backward, on dense, aligned and
 general causal tiles, segment ids, a window and ragged lengths, at D 64 and 128.  A
 variant that names a field the checkout's ``MgpuConfig`` lacks is left out (reported).
+The Triton kernels (``pallas``'s forward and backward, ``pallas_decode``; kinds
+``triton_fwd``, ``triton_bwd``, ``decode``) are lowered on the same cases with the
+tables' tiles for bf16, f16 and f32, for an abstract H100; their digests also cover each
+launch's grid, warps and stages (``segment_skip`` is left out: it changes the tile
+lists XLA computes, not the kernels).
 
     python scripts/mosaic_modules.py --out before.json          # about 4 min on 2 cores
     (change the code)
     python scripts/mosaic_modules.py --out after.json
     python scripts/mosaic_modules.py --compare before.json after.json   # exit 1 if differ
 
-``--cases dense,segs`` and ``--kinds fwd`` narrow the run.
+``--cases dense,segs`` and ``--kinds fwd,triton_fwd`` narrow the run.
 """
 
 from __future__ import annotations
@@ -63,6 +69,14 @@ CASES = {
 }
 
 
+#: The Triton kinds and their dtypes (each with its table's tiles).
+TRITON_KINDS = ("triton_fwd", "triton_bwd", "decode")
+KINDS = ("fwd", "bwd") + TRITON_KINDS
+TRITON_DTYPES = ("bfloat16", "float16", "float32")
+#: Pallas reads the compute capability from an abstract mesh's device off a GPU (sm_90).
+ABSTRACT_GPU = ("NVIDIA H100 80GB HBM3", "gpu")
+
+
 def _setup_cpu():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
@@ -85,7 +99,22 @@ def table_variants() -> list[tuple[int, dict]]:
             for name, e in entries.items()]
 
 
-def jobs(cases=None, kinds=("fwd", "bwd")):
+def lower_for_cuda(fn, *avals) -> str:
+    """HLO text of ``jax.jit(fn)`` lowered for CUDA, on an abstract H100 (where Pallas's
+    Triton lowering finds its compute capability off a GPU; JAX 0.10 needs none)."""
+    import warnings
+
+    import jax
+    gpu = jax.sharding.AbstractDevice(device_kind=ABSTRACT_GPU[0], num_cores=None,
+                                      platform=ABSTRACT_GPU[1])
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
+    with warnings.catch_warnings():  # JAX 0.11 deprecates the Pallas Triton backend
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def jobs(cases=None, kinds=KINDS):
     """``(key, kind, case, fields)`` for every configuration to lower, in a fixed order;
     a key names its kind, case and fields (or the table entry)."""
     out = []
@@ -94,6 +123,10 @@ def jobs(cases=None, kinds=("fwd", "bwd")):
         if cases and name not in cases:
             continue
         for kind in kinds:
+            if kind in TRITON_KINDS:
+                for dt in TRITON_DTYPES:
+                    out.append((f"{kind}/{name}/{dt}", kind, name, {"dtype": dt}))
+                continue
             variants = (FWD_VARIANTS if kind == "fwd"
                         else BWD_VARIANTS + (SPLIT_VARIANTS if D == 128 else []))
             for kw in variants:
@@ -108,6 +141,8 @@ def fingerprint(kind: str, case: str, fields: dict) -> dict:
     """``{"mods": [digest per Mosaic GPU module, in lowering order]}`` of one
     configuration, ``{"error": ...}`` if it does not lower, or ``{"missing": [...]}``
     if it names fields this checkout's ``MgpuConfig`` lacks."""
+    if kind in TRITON_KINDS:
+        return triton_fingerprint(kind, case, fields)
     import jax
     import jax.experimental.mosaic.gpu.core as mcore
     import jax.numpy as jnp
@@ -150,7 +185,68 @@ def fingerprint(kind: str, case: str, fields: dict) -> dict:
     return {"mods": [_digest(m) for m in modules]}
 
 
-def snapshot(cases=None, kinds=("fwd", "bwd"), log=print) -> dict:
+#: The part of a Triton custom call's backend config left out of its digest: the module
+#: itself, serialised with its locations (the module is digested without them).
+_TRITON_IR = re.compile(r'ir = "[^"]*"')
+_TRITON_LAUNCH = re.compile(r"@__gpu\$xla\.gpu\.triton.*?mhlo\.backend_config = \{([^}]*)\}")
+
+
+def triton_fingerprint(kind: str, case: str, fields: dict) -> dict:
+    """As ``fingerprint``, for the Triton kinds: one digest per kernel of its Triton module
+    (locations left out) and its launch (grid, warps, stages); ``fields`` holds the
+    dtype and ``PallasConfig`` (``DecodeConfig`` for ``decode``) fields."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jax_seqpar.kernels.pallas_common import PallasConfig, default_config
+    from jax_seqpar.kernels.pallas_decode import DecodeConfig, PallasDecodeKernel
+    from jax_seqpar.kernels.pallas_gpu import PallasKernel
+    from jax_seqpar.masks import MaskSpec
+
+    fields = dict(fields)
+    dtype = jnp.dtype(fields.pop("dtype"))
+    cls = DecodeConfig if kind == "decode" else PallasConfig
+    missing = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if missing:
+        return {"missing": missing}
+    D, Tq, Tk, causal, window, seg, _tile = CASES[case]
+    Tq = 4 if kind == "decode" else Tq  # a few query rows against the keys
+    mask = MaskSpec(causal=causal, window=window)
+    SDS = jax.ShapeDtypeStruct
+    q, kv = SDS((2, Tq, 4, D), dtype), SDS((2, Tk, 2, D), dtype)
+    pos = [SDS((Tq,), jnp.int32), SDS((Tk,), jnp.int32)]
+    segs = [SDS((2, Tq), jnp.int32), SDS((2, Tk), jnp.int32)] if seg else []
+    modules, real = [], triton_lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **k):  # each kernel's module, before it is serialised with locations
+        res = real(*a, **k)
+        modules.append(res.module.operation.get_asm(enable_debug_info=False))
+        return res
+    triton_lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        if kind == "decode":
+            kern = PallasDecodeKernel(config=DecodeConfig(**fields), interpret=False)
+        else:
+            cfg = dataclasses.replace(default_config(D, dtype), **fields)
+            kern = PallasKernel(config=cfg, interpret=False)
+        if kind == "triton_bwd":
+            def f(q, k, v, o, lse, do, qp, kp, *s):
+                return kern.bwd(q, k, v, o, lse, do, qp, kp, mask, 0.1, *s)
+            args = (q, kv, kv, q, SDS((2, 4, Tq), jnp.float32), q, *pos, *segs)
+        else:
+            def f(q, k, v, qp, kp, *s):
+                return kern.fwd(q, k, v, qp, kp, mask, 0.1, *s)
+            args = (q, kv, kv, *pos, *segs)
+        text = lower_for_cuda(f, *args)
+    except Exception as e:  # noqa: BLE001 - recorded, as in fingerprint
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = real
+    launches = _TRITON_LAUNCH.findall(_TRITON_IR.sub("ir", text))
+    return {"mods": [_digest(m) for m in modules] + [_digest(x) for x in launches]}
+
+
+def snapshot(cases=None, kinds=KINDS, log=print) -> dict:
     out = {}
     for key, kind, case, fields in jobs(cases, kinds):
         out[key] = fingerprint(kind, case, fields)
@@ -173,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the fingerprints of this checkout here (JSON)")
     p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
     p.add_argument("--cases", help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--kinds", default="fwd,bwd")
+    p.add_argument("--kinds", default=",".join(KINDS))
     args = p.parse_args(argv)
     if args.compare:
         old, new = (json.loads(open(f).read()) for f in args.compare)
@@ -191,7 +287,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     _setup_cpu()
-    res = snapshot(cases, tuple(args.kinds.split(",")))
+    kinds = tuple(args.kinds.split(","))
+    if set(kinds) - set(KINDS):
+        p.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
+    res = snapshot(cases, kinds)
     with open(args.out, "w") as fh:
         json.dump(res, fh, indent=1, sort_keys=True)
     print(f"wrote {args.out}")

@@ -56,3 +56,28 @@ def test_jobs_cover_the_table_and_refuse_unknown_cases():
     assert len(set(keys)) == len(keys)
     with pytest.raises(SystemExit):
         mosaic_modules.main(["--out", "x.json", "--cases", "nope"])
+
+
+def test_triton_fingerprints_cover_the_module_and_its_launch():
+    """The Triton kinds: the same config twice gives the same digests, one per kernel's
+    module and one per launch (the backward: two kernels); another dtype changes the
+    modules; more warps change only the launch's digest; a field the config lacks is
+    reported, not lowered."""
+    a = mosaic_modules.fingerprint("triton_bwd", "d64_ragged", {"dtype": "bfloat16"})
+    assert len(a["mods"]) == 4
+    assert mosaic_modules.fingerprint("triton_bwd", "d64_ragged", {"dtype": "bfloat16"}) == a
+    f32 = mosaic_modules.fingerprint("triton_bwd", "d64_ragged", {"dtype": "float32"})
+    assert f32["mods"][:2] != a["mods"][:2]
+    fwd = mosaic_modules.fingerprint("triton_fwd", "segs", {"dtype": "float16"})
+    warps = mosaic_modules.fingerprint("triton_fwd", "segs", {"dtype": "float16",
+                                                              "num_warps": 8})
+    assert warps["mods"][0] == fwd["mods"][0] and warps["mods"][1] != fwd["mods"][1]
+    assert len(mosaic_modules.fingerprint("decode", "segs", {"dtype": "float32"})["mods"]) == 2
+    assert mosaic_modules.fingerprint("decode", "dense", {"dtype": "bfloat16",
+                                                          "no_such_field": 1}) == {
+        "missing": ["no_such_field"]}
+    keys = [k for k, *_ in mosaic_modules.jobs(kinds=mosaic_modules.TRITON_KINDS)]
+    assert len(keys) == len(set(keys)) == 3 * len(mosaic_modules.CASES) * len(
+        mosaic_modules.TRITON_DTYPES)
+    with pytest.raises(SystemExit):
+        mosaic_modules.main(["--out", "x.json", "--kinds", "fwd,nope"])

@@ -14,14 +14,16 @@ compute on a GPU is checked by ``benchmarks/kernels.py --phases check`` and
 ``benchmarks/decode_kernel.py`` (RESULTS.md).
 
 Pallas (JAX >= 0.11) finds the GPU's compute capability from the device or, off a GPU,
-from an abstract mesh's ``AbstractDevice``: an H100 here (JAX 0.10 lowers without it).
+from an abstract mesh's ``AbstractDevice``: an H100 here, through the helper of
+``scripts/mosaic_modules.py``, which fingerprints these modules (JAX 0.10 needs none).
 Each test counts the Triton custom calls in the lowered program, so none passes without
 lowering its kernels.
 """
 
 from __future__ import annotations
 
-import warnings
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,22 +34,13 @@ from jax_seqpar.kernels.pallas_common import DEFAULT_CONFIGS, FLOAT32_CONFIGS, H
 from jax_seqpar.kernels.pallas_decode import PallasDecodeKernel
 from jax_seqpar.masks import MaskSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from mosaic_modules import lower_for_cuda as lowered  # noqa: E402  (an abstract H100)
+
 SDS = jax.ShapeDtypeStruct
 TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton"
-#: what Pallas reads the compute capability from off a GPU (sm_90)
-GPU = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                  platform="gpu")
 KERNEL = PallasKernel(interpret=False)  # tiles from the tables: DEFAULT / FLOAT32_CONFIGS
 DECODE = PallasDecodeKernel(interpret=False)
-
-
-def lowered(fn, *avals) -> str:
-    """HLO text of ``jax.jit(fn)`` lowered for CUDA, on an abstract H100."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=GPU)
-    with warnings.catch_warnings():  # JAX 0.11 deprecates the Pallas Triton backend
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def avals(B, Tq, Tk, Hq, Hkv, D, dtype, seg):
