@@ -276,7 +276,8 @@ def main(argv=None) -> int:
         diff = compare(old, new)
         left = [k for k in old if k not in new or "missing" in old[k] or "missing" in new[k]]
         print(f"{len(old) - len(left)} configurations compared, {len(diff)} differ"
-              + (f"; {len(left)} left out (named fields one checkout lacks)" if left else ""))
+              + (f"; {len(left)} left out (absent from one snapshot, or naming fields "
+                 f"one checkout lacks)" if left else ""))
         for k in diff:
             print("  differs:", k)
         return 1 if diff else 0
